@@ -1,0 +1,246 @@
+"""Frozen configuration, one dataclass per concern, loaded from a graph YAML's `args` (or a dict).
+
+Every check lives in `__post_init__` so a bad value fails where it is written, with the field's
+dotted name in the message. Environment variables are read here and nowhere deeper.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PIPELINES = ("P-MD", "P-RLD-MD", "P-RLD")
+HANDOFF_MODES = ("auto", "one-shot", "catch-up")
+
+
+class ConfigError(ValueError):
+    """A configuration value that can't be used; the message names the field."""
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = "default"  # a local HF checkpoint dir, or "default" for the embedded small Llama
+    device: str = "cpu"  # cpu | cuda | cuda:N
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    block_size: int = 16
+    kv_cache_bytes: int = 512 << 20
+    prefix_cache_bytes: int | None = None  # None: half of kv_cache_bytes
+    max_batch: int = 32  # decode batch cap per replica
+    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        _require(self.device == "cpu" or self.device.startswith("cuda"), f"model.device must be cpu or cuda[:N], got {self.device!r}")
+        _require(self.dtype in (None, "float32", "float16", "bfloat16"), f"model.dtype must be float32|float16|bfloat16, got {self.dtype!r}")
+        _require(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, f"model.block_size must be a power of two, got {self.block_size}")
+        _require(self.kv_cache_bytes > 0, "model.kv_cache_bytes must be > 0")
+        _require(self.max_batch > 0, "model.max_batch must be > 0")
+        _require(self.prefix_cache_bytes is None or 0 <= self.prefix_cache_bytes <= self.kv_cache_bytes,
+                 "model.prefix_cache_bytes must be within [0, kv_cache_bytes]")
+
+
+@dataclass(frozen=True)
+class LinkConfig:
+    """The inter-site link as the application sees it (see transport/link.py)."""
+
+    preset: str = "same_dc"  # same_dc | wan_10g | wan_100g | pdd_report | custom
+    bandwidth_bps: float | None = None  # bytes/s override (custom links)
+    latency_s: float | None = None  # one-way latency override
+    jitter: str = "constant"  # constant | lognormal | trace:PATH | stalls
+    jitter_sigma: float = 0.0
+    stalls: tuple[tuple[float, float], ...] = ()  # (at_s, duration_s) scripted stalls
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.preset in ("same_dc", "wan_10g", "wan_100g", "pdd_report", "custom"), f"link.preset unknown: {self.preset!r}")
+        _require(self.bandwidth_bps is None or self.bandwidth_bps > 0, "link.bandwidth_bps must be > 0")
+        _require(self.latency_s is None or self.latency_s >= 0, "link.latency_s must be >= 0")
+        _require(self.preset != "custom" or self.bandwidth_bps is not None, "link.preset custom needs link.bandwidth_bps")
+        _require(self.jitter_sigma >= 0, "link.jitter_sigma must be >= 0")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    pipelines: tuple[str, ...] = PIPELINES  # which pipelines this graph may use
+    wan_budget_s: float = 0.5  # P->MD when the estimated KV transfer fits in this
+    handoff_mode: str = "auto"
+    handoff_token_threshold: int = 64  # more eager tokens than this -> catch-up (PDD.md)
+    handoff_batch_tokens: int = 32  # catch-up batch size
+    relay_busy_fraction: float = 0.75  # relay load above this -> one-shot (free RLD sooner)
+    relay_max_running: int = 8  # relay admission control (PDD.md: RLD overload is the failure mode)
+    anomalous_min_input_tokens: int = 1024
+    anomalous_max_output_tokens: int = 32
+    anomalous_min_transfer_s: float = 1.0
+    kv_wait_timeout_s: float = 30.0  # a cross-site KV wait longer than this falls back
+    allow_overrides: bool = False  # honour a request body's `pdd: {pipeline, handoff_mode}`
+    drc: bool = True  # decode-side radix cache at MD
+
+    def __post_init__(self) -> None:
+        _require(bool(self.pipelines) and all(p in PIPELINES for p in self.pipelines),
+                 f"policy.pipelines must be a non-empty subset of {PIPELINES}, got {self.pipelines}")
+        _require(self.handoff_mode in HANDOFF_MODES, f"policy.handoff_mode must be one of {HANDOFF_MODES}")
+        _require(self.wan_budget_s >= 0, "policy.wan_budget_s must be >= 0")
+        _require(self.handoff_token_threshold >= 0, "policy.handoff_token_threshold must be >= 0")
+        _require(self.handoff_batch_tokens > 0, "policy.handoff_batch_tokens must be > 0")
+        _require(0 < self.relay_busy_fraction <= 1, "policy.relay_busy_fraction must be in (0, 1]")
+        _require(self.relay_max_running > 0, "policy.relay_max_running must be > 0")
+        _require(self.kv_wait_timeout_s > 0, "policy.kv_wait_timeout_s must be > 0")
+
+
+@dataclass(frozen=True)
+class SiteConfig:
+    """Where each role runs (a `pdd.site` node label) and how many replicas it has."""
+
+    prefill: str = "a"
+    relay: str = "a"
+    main_decode: str = "b"
+    router: str = "a"
+    prefill_replicas: int = 1
+    relay_replicas: int = 1
+    main_decode_replicas: int = 1
+    cpus_per_replica: float = 0.5
+
+    def __post_init__(self) -> None:
+        for role in ("prefill", "relay", "main_decode", "router"):
+            _require(bool(getattr(self, role)), f"sites.{role} must name a site label")
+        for role in ("prefill_replicas", "relay_replicas", "main_decode_replicas"):
+            _require(getattr(self, role) >= 1, f"sites.{role} must be >= 1")
+        _require(self.cpus_per_replica >= 0, "sites.cpus_per_replica must be >= 0")
+
+
+@dataclass(frozen=True)
+class FlightConfig:
+    bind_host: str = "127.0.0.1"
+    advertise_host: str | None = None  # None: the bind host (or the node IP when binding 0.0.0.0)
+    port: int = 0  # 0: any free port
+    token: str | None = None  # None: from $PDD_FLIGHT_TOKEN, else one random token per graph
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_root_cert: str | None = None
+    batch_blocks: int = 8
+    deadline_s: float = 60.0
+    max_bytes_per_request: int = 256 << 20
+    max_bytes_total: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.port < 65536, f"flight.port must be in [0, 65535], got {self.port}")
+        _require((self.tls_cert is None) == (self.tls_key is None), "flight.tls_cert and flight.tls_key go together")
+        _require(self.batch_blocks > 0 and self.deadline_s > 0, "flight.batch_blocks and flight.deadline_s must be > 0")
+        _require(self.max_bytes_per_request > 0 and self.max_bytes_total >= self.max_bytes_per_request,
+                 "flight.max_bytes_total must be >= flight.max_bytes_per_request > 0")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_name: str = "pdd-small"  # the id /v1/models reports and requests must name
+    api_keys: tuple[str, ...] = ()  # empty: no API key required
+    max_body_bytes: int = 1 << 20
+    max_prompt_tokens: int | None = None
+    max_tokens_limit: int = 4096
+    max_stop: int = 8
+    max_queue: int = 256  # requests in flight at the router before 503 + Retry-After
+
+    def __post_init__(self) -> None:
+        _require(bool(self.model_name), "server.model_name must not be empty")
+        _require(self.max_body_bytes > 0 and self.max_tokens_limit > 0 and self.max_queue > 0,
+                 "server limits must be > 0")
+
+
+@dataclass(frozen=True)
+class PDDConfig:
+    graph: str = "pdd"  # pdd | pd_same_dc | pd_cross_dc (a label for reports)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    link: LinkConfig = field(default_factory=LinkConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    sites: SiteConfig = field(default_factory=SiteConfig)
+    flight: FlightConfig = field(default_factory=FlightConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    def __post_init__(self) -> None:
+        cross = self.sites.prefill != self.sites.main_decode
+        _require(cross or self.link.preset == "same_dc" or self.link.preset == "custom",
+                 "prefill and main_decode share a site, so link.preset must be same_dc")
+        _require("P-RLD-MD" not in self.policy.pipelines or self.sites.relay == self.sites.prefill,
+                 "sites.relay must equal sites.prefill: relay decode sits beside prefill (PDD.md)")
+        _require("P-MD" in self.policy.pipelines or "P-RLD-MD" in self.policy.pipelines,
+                 "policy.pipelines must include P-MD or P-RLD-MD: ordinary traffic must end at main decode")
+
+    @property
+    def uses_relay(self) -> bool:
+        return any(p in self.policy.pipelines for p in ("P-RLD-MD", "P-RLD"))
+
+
+_SECTIONS = {"model": ModelConfig, "link": LinkConfig, "policy": PolicyConfig, "sites": SiteConfig,
+             "flight": FlightConfig, "server": ServerConfig}
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    if isinstance(data, cls):
+        return data
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}")
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise ConfigError(f"unknown key(s) {', '.join(where + '.' + k for k in unknown)}; "
+                          f"valid: {', '.join(sorted(names))}")
+    kw = {}
+    for k, v in data.items():
+        if isinstance(v, list):
+            v = tuple(tuple(x) if isinstance(x, list) else x for x in v)
+        kw[k] = v
+    try:
+        return cls(**kw)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    except TypeError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def load_config(args: dict[str, Any] | PDDConfig | None) -> PDDConfig:
+    """Build and validate the one config object from a graph YAML's `args` mapping."""
+    if isinstance(args, PDDConfig):
+        return args
+    args = dict(args or {})
+    unknown = sorted(set(args) - set(_SECTIONS) - {"graph"})
+    if unknown:
+        raise ConfigError(f"unknown top-level arg(s) {unknown}; valid: graph, {', '.join(_SECTIONS)}")
+    model = args.get("model")
+    if isinstance(model, str):  # `model: /path/to/ckpt` shorthand
+        args["model"] = {"path": model}
+    link = args.get("link")
+    if isinstance(link, str):  # `link: pdd_report` shorthand
+        args["link"] = {"preset": link}
+    kw = {k: _build(cls, args.get(k), k) for k, cls in _SECTIONS.items()}
+    flight: FlightConfig = kw["flight"]
+    if flight.token is None and os.environ.get("PDD_FLIGHT_TOKEN"):
+        kw["flight"] = dataclasses.replace(flight, token=os.environ["PDD_FLIGHT_TOKEN"])
+    return PDDConfig(graph=str(args.get("graph", "pdd")), **kw)
+
+
+def load_graph_yaml(path: str | Path, app_index: int = 0) -> PDDConfig:
+    """The PDDConfig of a Serve config file (`applications[i].args`), for tools that read graphs."""
+    import yaml
+
+    path = Path(path)
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"{path}: cannot read Serve config: {e}") from None
+    try:
+        app = doc["applications"][app_index]
+    except (TypeError, KeyError, IndexError):
+        raise ConfigError(f"{path}: expected `applications: [ {{import_path, args}} ]`") from None
+    try:
+        return load_config(app.get("args") or {})
+    except ConfigError as e:
+        raise ConfigError(f"{path}: applications[{app_index}].args: {e}") from None

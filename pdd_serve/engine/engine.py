@@ -1,0 +1,334 @@
+"""Engine: prefill, extend and batched decode over a paged KV pool with a radix prefix cache.
+
+No Ray here. The serving layer composes these operations:
+  Prefill:     add -> prefill (computes only the suffix past a prefix-cache hit) -> export_kv
+  Relay:       add -> import_kv -> append_tokens(first) -> decode_step ... (stops at the handoff)
+  Main decode: add -> match_prefix (DRC) -> import_kv (the blocks it lacked) -> extend(handed-off ids)
+               -> decode_step ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pdd_serve.engine.kv import (
+    BlockPool,
+    KVBlocks,
+    KVError,
+    KVLayout,
+    OutOfBlocksError,
+    block_hashes,
+    blocks_needed,
+    dtype_name,
+    num_full_blocks,
+)
+from pdd_serve.engine.model import AttnContext, LlamaModel, ModelArgs, load_model
+from pdd_serve.engine.radix_cache import RadixCache
+from pdd_serve.engine.sampling import RequestError, SamplingParams, sample
+
+
+@dataclass
+class Sequence:
+    """One request's state inside an engine. `token_ids` = prompt + output so far;
+    KV exists for the first `num_computed` of them; the rest are pending (fed next forward)."""
+
+    request_id: str
+    token_ids: list[int]
+    prompt_len: int
+    params: SamplingParams
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    prefix_hit_tokens: int = 0
+    locked_hashes: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # None while running | "stop" | "length" | "abort"
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def _default_dtype(device: str) -> torch.dtype:
+    return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+
+
+class Engine:
+    def __init__(self, model: LlamaModel, *, device: str = "cpu", block_size: int = 16,
+                 kv_cache_bytes: int = 256 << 20, prefix_cache_bytes: int | None = None,
+                 enable_prefix_cache: bool = True) -> None:
+        self.model = model
+        self.args: ModelArgs = model.args
+        self.device = device
+        dtype = next(model.parameters()).dtype
+        self.layout = KVLayout(self.args.num_layers, self.args.num_kv_heads, self.args.head_dim,
+                               block_size, dtype_name(dtype))
+        self.block_size = block_size
+        self.pool = BlockPool(self.layout, max(1, kv_cache_bytes // self.layout.block_bytes), device)
+        budget = kv_cache_bytes // 2 if prefix_cache_bytes is None else prefix_cache_bytes
+        self.cache: RadixCache | None = (
+            RadixCache(block_size, self.layout.block_bytes, budget, on_evict=lambda b: self.pool.decref([b]))
+            if enable_prefix_cache else None
+        )
+        self.stop_ids = frozenset(self.args.eos_token_ids)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: torch.dtype | str | None = None,
+                        block_size: int = 16, **kwargs) -> Engine:
+        if isinstance(dtype, str):
+            dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size}")
+        model = load_model(path, device, dtype or _default_dtype(device))
+        return cls(model, device=device, block_size=block_size, **kwargs)
+
+    # ------------------------------------------------------------ requests
+
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+        """Validate a request and create its state (no KV yet)."""
+        if not prompt_token_ids:
+            raise RequestError("the prompt is empty: send at least one token")
+        vocab = self.args.vocab_size
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
+        ctx = self.args.max_position_embeddings
+        if len(prompt_token_ids) + params.max_tokens > ctx:
+            raise RequestError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                               f"exceeds the model's context of {ctx} tokens")
+        need = blocks_needed(len(prompt_token_ids) + params.max_tokens, self.block_size)
+        if need > self.pool.num_blocks:
+            raise RequestError(f"the request needs {need} KV blocks but the pool holds {self.pool.num_blocks}; "
+                               "lower max_tokens or raise kv_cache_bytes")
+        return Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params)
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Adopt the longest cached prefix of the prompt (at least one prompt token stays to compute).
+        Returns the number of hit tokens."""
+        assert seq.num_computed == 0 and not seq.block_table
+        if self.cache is None:
+            return 0
+        m = self.cache.match(seq.token_ids[: seq.prompt_len - 1])
+        if m.hashes:
+            self.pool.incref(m.values)
+            self.cache.lock(m.hashes)
+            seq.block_table = list(m.values)
+            seq.locked_hashes = list(m.hashes)
+            seq.num_computed = m.num_tokens
+        seq.prefix_hit_tokens = m.num_tokens
+        return m.num_tokens
+
+    def append_tokens(self, seq: Sequence, token_ids: Iterable[int]) -> None:
+        """Append committed tokens whose KV is not yet computed (fed by the next forward)."""
+        seq.token_ids.extend(token_ids)
+
+    def release(self, seq: Sequence, cache: bool = True) -> None:
+        """Free a request's KV; its full computed blocks go to the prefix cache first."""
+        if cache and self.cache is not None and seq.finish_reason != "abort":
+            self._cache_blocks(seq)
+        if self.cache is not None and seq.locked_hashes:
+            self.cache.unlock(seq.locked_hashes)
+        self.pool.decref(seq.block_table)
+        seq.block_table, seq.locked_hashes = [], []
+        if seq.finish_reason is None:
+            seq.finish_reason = "abort"
+
+    # ------------------------------------------------------------ compute
+
+    def prefill(self, seq: Sequence, use_cache: bool = True, chunk_tokens: int | None = None,
+                on_chunk: Callable[[Sequence], None] | None = None) -> int:
+        """Compute the prompt's KV (only the suffix past a prefix-cache hit), sample the first
+        output token and append it. With `chunk_tokens`, the prompt is computed in chunks and
+        `on_chunk(seq)` runs after each, so finished blocks can leave while the rest computes.
+        The prompt's blocks are offered to the prefix cache at once."""
+        if use_cache and seq.num_computed == 0 and not seq.block_table:
+            self.match_prefix(seq)
+        end = len(seq.token_ids)
+        step = chunk_tokens or end
+        while seq.num_computed + step < end:
+            self._forward(seq, seq.num_computed + step, sample=False)
+            if on_chunk is not None:
+                on_chunk(seq)
+        tok = self._forward(seq, end)
+        if self.cache is not None:
+            self._cache_blocks(seq)
+        if on_chunk is not None:
+            on_chunk(seq)
+        return tok
+
+    def extend(self, seq: Sequence, token_ids: list[int], sample: bool = True) -> int | None:
+        """One multi-token forward over `token_ids` on top of the existing KV (MD's handoff: the
+        relay's committed tokens), then sample and append the next token. With `sample=False`
+        only the KV is built (a catch-up handoff batch: more committed tokens follow)."""
+        self.append_tokens(seq, token_ids)
+        return self._forward(seq, len(seq.token_ids), sample=sample)
+
+    def decode_step(self, seqs: list[Sequence]) -> list[int]:
+        """One batched decode step: each sequence has exactly one pending token (the last one);
+        compute its KV and sample the next. Requests may join or leave between steps."""
+        if not seqs:
+            return []
+        for s in seqs:
+            if s.num_pending != 1:
+                raise RuntimeError(f"decode_step needs exactly one pending token, {s.request_id} has {s.num_pending}")
+            self._ensure_blocks(s, len(s.token_ids))
+        bs = self.block_size
+        pos = [s.num_computed for s in seqs]
+        nb = max(len(s.block_table) for s in seqs)
+        dev = self.device
+        tables = torch.tensor([s.block_table + [s.block_table[0]] * (nb - len(s.block_table)) for s in seqs],
+                              dtype=torch.long, device=dev)
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        ctx = AttnContext(
+            slot_blocks=torch.tensor([s.block_table[p // bs] for s, p in zip(seqs, pos)], dtype=torch.long, device=dev),
+            slot_offsets=positions % bs,
+            gather_tables=tables,
+            mask=(torch.arange(nb * bs, device=dev)[None, :] <= positions[:, None])[:, None, None, :],
+        )
+        ids = torch.tensor([[s.token_ids[-1]] for s in seqs], dtype=torch.long, device=dev)
+        logits = self.model(ids, positions[:, None], self.pool, ctx)
+        for s in seqs:
+            s.num_computed += 1
+        return self._append_sampled(seqs, logits)
+
+    def _forward(self, seq: Sequence, end: int, sample: bool = True) -> int | None:
+        """Compute KV for tokens [num_computed, end) in one forward; sample the next token when
+        `end` is the last token (`sample`)."""
+        if seq.finished:
+            raise RuntimeError(f"request {seq.request_id} is finished ({seq.finish_reason})")
+        start = seq.num_computed
+        if not start < end <= len(seq.token_ids):
+            raise RuntimeError(f"request {seq.request_id}: nothing to compute in [{start}, {end})")
+        if end > self.args.max_position_embeddings:
+            raise RequestError(f"request {seq.request_id} exceeds the model's context")
+        self._ensure_blocks(seq, end)
+        bs, dev = self.block_size, self.device
+        pos = torch.arange(start, end, device=dev)
+        table = torch.tensor(seq.block_table[: blocks_needed(end, bs)], dtype=torch.long, device=dev)
+        ctx = AttnContext(
+            slot_blocks=table[pos // bs],
+            slot_offsets=pos % bs,
+            gather_tables=table[None],
+            mask=(torch.arange(len(table) * bs, device=dev)[None, :] <= pos[:, None])[None, None],
+        )
+        ids = torch.tensor([seq.token_ids[start:end]], dtype=torch.long, device=dev)
+        sample = sample and end == len(seq.token_ids)
+        logits = self.model(ids, pos[None], self.pool, ctx) if sample else self.model.fill_kv(ids, pos[None], self.pool, ctx)
+        seq.num_computed = end
+        return self._append_sampled([seq], logits)[0] if sample else None
+
+    def _append_sampled(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        toks = sample(logits, [s.params for s in seqs], [len(s.token_ids) - s.prompt_len for s in seqs])
+        for s, t in zip(seqs, toks):
+            s.token_ids.append(t)
+            self._check_stop(s, t)
+        return toks
+
+    def _check_stop(self, seq: Sequence, tok: int) -> None:
+        p = seq.params
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.stop_ids):
+            seq.finish_reason = "stop"
+        elif len(seq.token_ids) - seq.prompt_len >= p.max_tokens:
+            seq.finish_reason = "length"
+
+    def _ensure_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        need = blocks_needed(num_tokens, self.block_size) - len(seq.block_table)
+        if need <= 0:
+            return
+        if need > self.pool.num_free and self.cache is not None:
+            self.cache.evict((need - self.pool.num_free) * self.layout.block_bytes)
+        seq.block_table.extend(self.pool.allocate(need))
+
+    def _cache_blocks(self, seq: Sequence) -> None:
+        """Offer the sequence's full computed blocks to the prefix cache and lock the ones it shares."""
+        n = num_full_blocks(seq.num_computed, self.block_size)
+        if n == 0:
+            return
+        hashes = block_hashes(seq.token_ids[: n * self.block_size], self.block_size)
+        adopted = self.cache.insert(hashes, seq.block_table[:n])
+        mine = [h for h, a in zip(hashes, adopted) if a]
+        self.pool.incref([b for b, a in zip(seq.block_table, adopted) if a])
+        self.cache.lock(mine)
+        seq.locked_hashes.extend(mine)
+
+    # ------------------------------------------------------------ KV in and out
+
+    def export_kv(self, seq: Sequence, start_block: int = 0, end_block: int | None = None) -> KVBlocks:
+        """Blocks [start_block, end_block) of the computed KV as one contiguous host buffer."""
+        nb = blocks_needed(seq.num_computed, self.block_size)
+        end_block = nb if end_block is None else min(end_block, nb)
+        if not 0 <= start_block <= end_block:
+            raise KVError(f"bad block range [{start_block}, {end_block}) for {nb} computed blocks")
+        full = block_hashes(seq.token_ids[: seq.num_computed], self.block_size)
+        hashes = [full[i] if i < len(full) else 0 for i in range(start_block, end_block)]
+        ntok = min(seq.num_computed, end_block * self.block_size) - start_block * self.block_size
+        return self.pool.export(seq.block_table[start_block:end_block], hashes, start_block, ntok)
+
+    def import_kv(self, seq: Sequence, blocks: KVBlocks, verify: bool = True) -> None:
+        """Load received blocks that continue the sequence's computed KV (block-aligned).
+        The hash chain is checked against the sequence's own tokens, so KV can only be
+        imported into the request whose tokens produced it."""
+        bs = self.block_size
+        if seq.num_computed % bs or blocks.start_block != seq.num_computed // bs:
+            raise KVError(f"{seq.request_id}: received blocks start at {blocks.start_block} but "
+                          f"{seq.num_computed} tokens are computed")
+        end = seq.num_computed + blocks.num_tokens
+        if end > len(seq.token_ids):
+            raise KVError(f"{seq.request_id}: received KV for {end} tokens, the request has {len(seq.token_ids)}")
+        expect = block_hashes(seq.token_ids[:end], bs)[blocks.start_block :]
+        got = [h for h in blocks.hashes if h][: len(expect)]
+        if got != expect:
+            raise KVError(f"{seq.request_id}: received KV blocks do not belong to this request's tokens")
+        if verify:
+            blocks.verify()
+        self._ensure_blocks(seq, end)
+        self.pool.load(seq.block_table[blocks.start_block : blocks.start_block + blocks.num_blocks], blocks)
+        seq.num_computed = end
+
+    # ------------------------------------------------------------ convenience
+
+    def generate(self, prompt_token_ids: list[int], max_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                 stop_token_ids: list[int] | None = None, use_cache: bool = True) -> list[int]:
+        """Single-request generate: the reference every pipeline must match token for token."""
+        params = SamplingParams(max_tokens, temperature, top_p, top_k, seed, tuple(stop_token_ids or ()))
+        seq = self.add("generate", prompt_token_ids, params)
+        try:
+            self.prefill(seq, use_cache=use_cache)
+            while not seq.finished:
+                self.decode_step([seq])
+            return seq.output_ids
+        finally:
+            self.release(seq)
+
+    def generate_batch(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Continuous batching over many requests: all decode together, each leaves when done."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = [self.add(f"b{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, plist))]
+        try:
+            for s in seqs:
+                self.prefill(s)
+            running = [s for s in seqs if not s.finished]
+            while running:
+                self.decode_step(running)
+                running = [s for s in running if not s.finished]
+            return [s.output_ids for s in seqs]
+        finally:
+            for s in seqs:
+                self.release(s)
+
+    def kv_bytes(self, num_tokens: int) -> int:
+        return num_tokens * self.layout.bytes_per_token
+
+
+__all__ = ["Engine", "Sequence", "SamplingParams", "RequestError", "OutOfBlocksError"]

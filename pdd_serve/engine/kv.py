@@ -1,0 +1,252 @@
+"""Block KV: layout, hash-chain identity, checksums, the block pool, and export/import buffers.
+
+A *block* holds K and V of `block_size` consecutive tokens for every layer, laid out
+`[num_layers, 2, block_size, num_kv_heads, head_dim]` and contiguous in memory, so that one
+block is one flat byte range: what the object store and an Arrow Flight stream carry.
+Blocks are named by a hash chain over token ids (like vLLM/SGLang prefix hashing): the same
+prefix gives the same hashes in every process, which is what radix caches, the router's hit
+estimate and the Flight stream speak.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+ROOT_HASH = 0  # parent of the first block of every sequence
+
+_NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": None}
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class KVError(ValueError):
+    """A KV buffer does not match the layout it claims (shape, dtype, checksum, hash)."""
+
+
+class OutOfBlocksError(RuntimeError):
+    """The block pool has no free block left (after evicting what the prefix cache could)."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, td in _TORCH_DTYPES.items():
+        if td == dtype:
+            return name
+    raise KVError(f"unsupported KV dtype {dtype}")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of one KV block; identical on every site that exchanges KV for one model."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str = "float32"  # float32 | float16 | bfloat16 (carried as uint16 bits)
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            if getattr(self, name) <= 0:
+                raise KVError(f"KVLayout.{name} must be > 0, got {getattr(self, name)}")
+        if self.dtype not in _TORCH_DTYPES:
+            raise KVError(f"KVLayout.dtype must be one of {sorted(_TORCH_DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def itemsize(self) -> int:
+        return 4 if self.dtype == "float32" else 2
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _TORCH_DTYPES[self.dtype]
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        # bfloat16 has no numpy dtype: its bits travel as uint16 and are reinterpreted on import
+        return np.dtype(np.uint16) if self.dtype == "bfloat16" else np.dtype(_NP_DTYPES[self.dtype])
+
+
+# ---------------------------------------------------------------- token math (pure functions)
+
+
+def num_full_blocks(num_tokens: int, block_size: int) -> int:
+    return num_tokens // block_size
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def chain_hash(parent: int, block_token_ids: list[int] | tuple[int, ...]) -> int:
+    """64-bit identity of a block given its parent's identity and its own token ids."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(parent.to_bytes(8, "little", signed=False))
+    h.update(np.asarray(block_token_ids, dtype=np.int64).tobytes())
+    return int.from_bytes(h.digest(), "little", signed=False)
+
+
+def block_hashes(token_ids: list[int], block_size: int, parent: int = ROOT_HASH) -> list[int]:
+    """Hash chain over the *full* blocks of `token_ids` (a trailing partial block has no identity)."""
+    out: list[int] = []
+    for i in range(num_full_blocks(len(token_ids), block_size)):
+        parent = chain_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
+        out.append(parent)
+    return out
+
+
+def block_checksum(block: np.ndarray) -> int:
+    """CRC32 over a block's bytes, read in place (no copy for a contiguous block)."""
+    return zlib.crc32(memoryview(np.ascontiguousarray(block)).cast("B"))
+
+
+# ---------------------------------------------------------------- the export format
+
+
+@dataclass
+class KVBlocks:
+    """A run of a request's consecutive KV blocks as one contiguous numpy buffer.
+
+    `data[i]` is block `start_block + i`; `hashes[i]` its chain hash (0 for a trailing partial
+    block, which has no identity); `checksums[i]` its CRC32; `num_tokens` counts valid token
+    slots over the run (the last block may be partial).
+    """
+
+    layout: KVLayout
+    start_block: int
+    data: np.ndarray  # [n, *layout.block_shape], layout.numpy_dtype, C-contiguous
+    hashes: list[int]
+    checksums: list[int] = field(default_factory=list)
+    num_tokens: int = -1
+
+    def __post_init__(self) -> None:
+        n = len(self.hashes)
+        if self.data.shape != (n, *self.layout.block_shape):
+            raise KVError(f"KV data shape {self.data.shape} != {(n, *self.layout.block_shape)}")
+        if self.data.dtype != self.layout.numpy_dtype:
+            raise KVError(f"KV data dtype {self.data.dtype} != {self.layout.numpy_dtype}")
+        if not self.data.flags.c_contiguous:
+            raise KVError("KV data must be C-contiguous")
+        if not self.checksums:
+            self.checksums = [block_checksum(self.data[i]) for i in range(n)]
+        if len(self.checksums) != n:
+            raise KVError(f"{len(self.checksums)} checksums for {n} blocks")
+        if self.num_tokens < 0:
+            self.num_tokens = n * self.layout.block_size
+        if not (n - 1) * self.layout.block_size < self.num_tokens <= n * self.layout.block_size and n:
+            raise KVError(f"num_tokens={self.num_tokens} does not fit {n} blocks")
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.hashes)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    def verify(self) -> None:
+        for i in range(self.num_blocks):
+            got = block_checksum(self.data[i])
+            if got != self.checksums[i]:
+                raise KVError(f"checksum mismatch in block {self.start_block + i}: {got} != {self.checksums[i]}")
+
+    def slice(self, lo: int, hi: int) -> KVBlocks:
+        """Blocks [lo, hi) of this run (relative indices), sharing memory."""
+        hi = min(hi, self.num_blocks)
+        last = hi == self.num_blocks
+        ntok = (self.num_tokens - lo * self.layout.block_size) if last else (hi - lo) * self.layout.block_size
+        return KVBlocks(self.layout, self.start_block + lo, self.data[lo:hi], self.hashes[lo:hi],
+                        self.checksums[lo:hi], ntok)
+
+
+def concat_blocks(runs: list[KVBlocks]) -> KVBlocks:
+    """Join consecutive runs (as received in pieces) into one."""
+    if not runs:
+        raise KVError("nothing to concatenate")
+    runs = sorted(runs, key=lambda r: r.start_block)
+    for a, b in zip(runs, runs[1:]):
+        if a.start_block + a.num_blocks != b.start_block:
+            raise KVError(f"runs are not consecutive: {a.start_block}+{a.num_blocks} != {b.start_block}")
+    full = runs[-1].num_tokens + sum(r.num_blocks for r in runs[:-1]) * runs[0].layout.block_size
+    return KVBlocks(runs[0].layout, runs[0].start_block, np.concatenate([r.data for r in runs]),
+                    [h for r in runs for h in r.hashes], [c for r in runs for c in r.checksums], full)
+
+
+# ---------------------------------------------------------------- the block pool
+
+
+class BlockPool:
+    """All KV memory of one engine: `[num_blocks, *block_shape]` plus reference counts.
+
+    A block is owned by whoever holds a reference: running sequences and the prefix cache.
+    It returns to the free list when its count drops to zero.
+    """
+
+    def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu") -> None:
+        if num_blocks <= 0:
+            raise KVError("the KV pool needs at least one block; raise kv_cache_bytes")
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.data = torch.zeros((num_blocks, *layout.block_shape), dtype=layout.torch_dtype, device=device)
+        self.refcount = [0] * num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfBlocksError(f"need {n} KV blocks, {len(self._free)} free of {self.num_blocks}")
+        ids = [self._free.pop() for _ in range(n)]
+        for i in ids:
+            self.refcount[i] = 1
+        return ids
+
+    def incref(self, ids: list[int]) -> None:
+        for i in ids:
+            assert self.refcount[i] > 0, f"incref of free block {i}"
+            self.refcount[i] += 1
+
+    def decref(self, ids: list[int]) -> None:
+        for i in ids:
+            assert self.refcount[i] > 0, f"decref of free block {i}"
+            self.refcount[i] -= 1
+            if self.refcount[i] == 0:
+                self._free.append(i)
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views `[num_blocks, block_size, kv_heads, head_dim]` of one layer's K and V."""
+        return self.data[:, layer, 0], self.data[:, layer, 1]
+
+    def export(self, ids: list[int], hashes: list[int], start_block: int, num_tokens: int) -> KVBlocks:
+        """Copy blocks out of the pool into one contiguous host buffer."""
+        t = self.data[torch.as_tensor(ids, dtype=torch.long, device=self.data.device)].cpu()
+        if self.layout.dtype == "bfloat16":
+            t = t.view(torch.uint16)
+        return KVBlocks(self.layout, start_block, t.numpy(), list(hashes), num_tokens=num_tokens)
+
+    def load(self, ids: list[int], blocks: KVBlocks) -> None:
+        """Copy received blocks into pool blocks `ids` (verifying layout, not checksums)."""
+        if blocks.layout != self.layout:
+            raise KVError(f"KV layout {blocks.layout} does not match this engine's {self.layout}")
+        if len(ids) != blocks.num_blocks:
+            raise KVError(f"{len(ids)} destination blocks for {blocks.num_blocks} received")
+        src = torch.from_numpy(blocks.data)
+        if self.layout.dtype == "bfloat16":
+            src = src.view(torch.bfloat16)
+        self.data[torch.as_tensor(ids, dtype=torch.long, device=self.data.device)] = src.to(self.data.device)

@@ -1,0 +1,94 @@
+"""PDD's decisions as pure functions: pipeline, MD replica, handoff mode, anomalous filter.
+
+The real Router and the simulator call exactly these, so one policy runs in both worlds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdd_serve.config import PolicyConfig
+
+
+@dataclass(frozen=True)
+class LinkEstimate:
+    bandwidth_bps: float  # live estimate, bytes/s
+    latency_s: float  # one-way
+
+    def transfer_s(self, nbytes: int) -> float:
+        return 0.0 if nbytes <= 0 else self.latency_s + nbytes / self.bandwidth_bps
+
+
+@dataclass(frozen=True)
+class MDStatus:
+    """What a Main decode replica reports when the router asks about a request."""
+
+    index: int
+    hit_blocks: int  # leading prompt blocks already in its DRC
+    running: int  # sequences decoding now
+    capacity: int  # decode batch cap
+    healthy: bool = True
+
+
+@dataclass(frozen=True)
+class PipelineDecision:
+    pipeline: str  # P-MD | P-RLD-MD | P-RLD
+    reason: str
+    transfer_s: float  # estimated WAN time of the blocks MD lacks
+
+
+def is_anomalous(prompt_tokens: int, max_tokens: int, transfer_s: float, policy: PolicyConfig) -> bool:
+    """Ultra-long input, ultra-short output, large transfer: the WAN would carry it for nothing."""
+    return (prompt_tokens >= policy.anomalous_min_input_tokens
+            and max_tokens <= policy.anomalous_max_output_tokens
+            and transfer_s >= policy.anomalous_min_transfer_s)
+
+
+def choose_pipeline(prompt_tokens: int, max_tokens: int, missing_bytes: int, link: LinkEstimate,
+                    relay_running: int, policy: PolicyConfig, forced: str | None = None) -> PipelineDecision:
+    """P->MD when the missing KV reaches MD within the budget; P->RLD->MD when it doesn't (RLD masks
+    the transfer); P->RLD only for anomalous traffic. A saturated relay pool takes nothing new."""
+    t = link.transfer_s(missing_bytes)
+    allowed = policy.pipelines
+    relay_ok = relay_running < policy.relay_max_running
+    if forced is not None:
+        return PipelineDecision(forced, "forced by request", t)
+    if "P-RLD" in allowed and relay_ok and is_anomalous(prompt_tokens, max_tokens, t, policy):
+        return PipelineDecision("P-RLD", "anomalous: long input, short output, large transfer", t)
+    if "P-MD" in allowed and (t <= policy.wan_budget_s or "P-RLD-MD" not in allowed):
+        return PipelineDecision("P-MD", f"transfer {t:.3f}s within budget {policy.wan_budget_s}s", t)
+    if "P-RLD-MD" in allowed and relay_ok:
+        return PipelineDecision("P-RLD-MD", f"transfer {t:.3f}s over budget {policy.wan_budget_s}s", t)
+    if "P-MD" in allowed:
+        return PipelineDecision("P-MD", "relay saturated: decode waits for the KV at MD", t)
+    return PipelineDecision("P-RLD-MD", "only relay pipelines allowed", t)
+
+
+def pick_md(candidates: list[MDStatus], prompt_blocks: int, block_bytes: int, link: LinkEstimate,
+            load_penalty_s: float = 0.05) -> int:
+    """The MD replica with the smallest estimated cost: transfer of the blocks it lacks (DRC prefix
+    affinity) plus a load term. Full or unhealthy replicas are skipped while another is free."""
+    usable = [c for c in candidates if c.healthy] or candidates
+    open_ = [c for c in usable if c.running < c.capacity] or usable
+
+    def cost(c: MDStatus) -> tuple[float, int]:
+        missing = max(0, prompt_blocks - c.hit_blocks) * block_bytes
+        return link.transfer_s(missing) + load_penalty_s * c.running / max(1, c.capacity), c.index
+
+    return min(open_, key=cost).index
+
+
+def plan_handoff(eager_tokens: int, relay_running: int, policy: PolicyConfig, forced: str | None = None) -> str:
+    """One-shot frees RLD soonest but MD stalls on a big extend; catch-up hides the stall but keeps
+    RLD busy. Catch-up when many tokens must move, unless the relay pool is under pressure."""
+    if forced in ("one-shot", "catch-up"):
+        return forced
+    if policy.handoff_mode != "auto":
+        return policy.handoff_mode
+    busy = relay_running >= policy.relay_busy_fraction * policy.relay_max_running
+    return "catch-up" if eager_tokens > policy.handoff_token_threshold and not busy else "one-shot"
+
+
+def catchup_done(remaining_tokens: int, policy: PolicyConfig) -> bool:
+    """Stop the catch-up when what is left to hand over fits one small final extend."""
+    return remaining_tokens <= max(1, policy.handoff_batch_tokens // 4)
