@@ -134,7 +134,39 @@ def _run_engine_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- demo ----------------------------------------------------------------------------------
+
+_DEMO_DESCRIPTION = """\
+The main job: start a local two-site Ray cluster (raylets labelled pdd.site=a and pdd.site=b on
+this machine), deploy a graph YAML with `serve run --non-blocking`, drive a short agentic workload
+(multi-turn sessions sharing a system prompt, a few cold long documents, one anomalous request)
+through the OpenAI-compatible API, print what PDD did per pipeline, and tear everything down.
+"""
+
+
+def _add_demo(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--graph", default="graphs/pdd.yaml", help="Serve config to deploy (default: %(default)s)")
+    p.add_argument("--sessions", type=int, default=4, help="agentic sessions (default: %(default)s)")
+    p.add_argument("--turns", type=int, default=3, help="turns per session (default: %(default)s)")
+    p.add_argument("--keep", action="store_true", help="leave the cluster serving afterwards (pdd cluster down stops it)")
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from pdd_serve.cluster import ClusterError
+    from pdd_serve.demo import DemoError, run_demo
+
+    if args.sessions <= 0 or args.turns <= 0:
+        raise UsageError("pdd demo: error: --sessions and --turns must be > 0")
+    try:
+        return run_demo(args.graph, keep=args.keep, sessions=args.sessions, turns=args.turns)
+    except (DemoError, ClusterError) as e:
+        print(f"pdd demo: {e}", file=sys.stderr)
+        return 1
+
+
 COMMANDS: list[Command] = [
+    Command("demo", "the main job: local two-site cluster + graphs/pdd.yaml + an agentic workload",
+            _add_demo, _run_demo, _DEMO_DESCRIPTION),
     Command("engine-demo", "run the engine alone: generate twice from one prompt (second time from the prefix cache)",
             _add_engine_demo, _run_engine_demo),
     Command("make-model", "build a small random-weight HF checkpoint with a real tokenizer",
@@ -154,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         cmd.add_arguments(p)
         p.set_defaults(_run=cmd.run)
+    from pdd_serve.cluster import add_cluster_parser  # light: no ray import at parse time
+
+    add_cluster_parser(sub)
     return parser
 
 

@@ -48,22 +48,25 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class LinkConfig:
-    """The inter-site link as the application sees it (see transport/link.py)."""
+    """The inter-site link as the application sees it: a named preset of transport/link.py plus
+    overrides of its parameters (`bandwidth_bps` in bits/s, `one_way_latency_s`, `jitter`, ...).
+    Presets other than same_dc are scaled to the model's KV bytes per token (link.py says how)."""
 
-    preset: str = "same_dc"  # same_dc | wan_10g | wan_100g | pdd_report | custom
-    bandwidth_bps: float | None = None  # bytes/s override (custom links)
-    latency_s: float | None = None  # one-way latency override
-    jitter: str = "constant"  # constant | lognormal | trace:PATH | stalls
-    jitter_sigma: float = 0.0
-    stalls: tuple[tuple[float, float], ...] = ()  # (at_s, duration_s) scripted stalls
-    seed: int = 0
+    preset: str = "same_dc"  # same_dc | wan_10g | wan_100g | pdd_report
+    scale_to_model: bool = True
+    overrides: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
-        _require(self.preset in ("same_dc", "wan_10g", "wan_100g", "pdd_report", "custom"), f"link.preset unknown: {self.preset!r}")
-        _require(self.bandwidth_bps is None or self.bandwidth_bps > 0, "link.bandwidth_bps must be > 0")
-        _require(self.latency_s is None or self.latency_s >= 0, "link.latency_s must be >= 0")
-        _require(self.preset != "custom" or self.bandwidth_bps is not None, "link.preset custom needs link.bandwidth_bps")
-        _require(self.jitter_sigma >= 0, "link.jitter_sigma must be >= 0")
+        self.build(kv_bytes_per_token=2048)  # surfaces a bad preset or parameter here, with its name
+
+    def build(self, kv_bytes_per_token: int):  # -> transport.link.LinkModel
+        from pdd_serve.transport.link import LinkModel
+
+        try:
+            return LinkModel.preset(self.preset, kv_bytes_per_token if self.scale_to_model else None,
+                                    **dict(self.overrides))
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"link: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -72,11 +75,13 @@ class PolicyConfig:
     wan_budget_s: float = 0.5  # P->MD when the estimated KV transfer fits in this
     handoff_mode: str = "auto"
     handoff_token_threshold: int = 64  # more eager tokens than this -> catch-up (PDD.md)
-    handoff_batch_tokens: int = 32  # catch-up batch size
+    handoff_batch_tokens: int = 8  # catch-up ends when this few tokens remain (the final extend)
     relay_busy_fraction: float = 0.75  # relay load above this -> one-shot (free RLD sooner)
     relay_max_running: int = 8  # relay admission control (PDD.md: RLD overload is the failure mode)
-    anomalous_min_input_tokens: int = 1024
-    anomalous_max_output_tokens: int = 32
+    # anomalous traffic (PDD.md: ultra-long input, ultra-short output, ~3-4% of requests): RLD runs
+    # it alone and its cross-site transfer is blocked. Defaults sized for the small CPU model.
+    anomalous_min_input_tokens: int = 1536
+    anomalous_max_output_tokens: int = 8
     anomalous_min_transfer_s: float = 1.0
     kv_wait_timeout_s: float = 30.0  # a cross-site KV wait longer than this falls back
     allow_overrides: bool = False  # honour a request body's `pdd: {pipeline, handoff_mode}`
@@ -165,7 +170,7 @@ class PDDConfig:
 
     def __post_init__(self) -> None:
         cross = self.sites.prefill != self.sites.main_decode
-        _require(cross or self.link.preset == "same_dc" or self.link.preset == "custom",
+        _require(cross or self.link.preset == "same_dc",
                  "prefill and main_decode share a site, so link.preset must be same_dc")
         _require("P-RLD-MD" not in self.policy.pipelines or self.sites.relay == self.sites.prefill,
                  "sites.relay must equal sites.prefill: relay decode sits beside prefill (PDD.md)")
@@ -220,6 +225,11 @@ def load_config(args: dict[str, Any] | PDDConfig | None) -> PDDConfig:
     link = args.get("link")
     if isinstance(link, str):  # `link: pdd_report` shorthand
         args["link"] = {"preset": link}
+    elif isinstance(link, dict):  # `link: {preset: wan_10g, one_way_latency_s: 0.02}`
+        extra = {k: v for k, v in link.items() if k not in ("preset", "scale_to_model")}
+        args["link"] = {k: v for k, v in link.items() if k in ("preset", "scale_to_model")}
+        args["link"]["overrides"] = tuple(sorted((k, tuple(map(tuple, v)) if k == "stalls" else v)
+                                                 for k, v in extra.items()))
     kw = {k: _build(cls, args.get(k), k) for k, cls in _SECTIONS.items()}
     flight: FlightConfig = kw["flight"]
     if flight.token is None and os.environ.get("PDD_FLIGHT_TOKEN"):

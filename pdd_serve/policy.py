@@ -90,5 +90,6 @@ def plan_handoff(eager_tokens: int, relay_running: int, policy: PolicyConfig, fo
 
 
 def catchup_done(remaining_tokens: int, policy: PolicyConfig) -> bool:
-    """Stop the catch-up when what is left to hand over fits one small final extend."""
-    return remaining_tokens <= max(1, policy.handoff_batch_tokens // 4)
+    """Catch-up ends when what is left to hand over fits the final extend (a short stall):
+    each round sends everything pending, so the gap shrinks geometrically while RLD streams."""
+    return remaining_tokens <= policy.handoff_batch_tokens

@@ -27,3 +27,6 @@ def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("ckpt") / "qwen2", arch="qwen2", layers=2, hidden=64, heads=4,
                       kv_heads=1, intermediate=160, vocab=512, max_pos=512, seed=1, rope_theta=50000.0,
                       tie_embeddings=True)
+
+
+from tests._cluster import ray_two_sites  # noqa: E402,F401  (session fixture: the local two-site cluster)

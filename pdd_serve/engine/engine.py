@@ -327,6 +327,16 @@ class Engine:
             for s in seqs:
                 self.release(s)
 
+    def warmup(self) -> None:
+        """One small prefill, extend and decode so the first real request pays no first-call costs."""
+        vocab = self.args.vocab_size
+        seq = self.add("warmup", [i % vocab for i in range(3, 3 + 2 * self.block_size)], SamplingParams(4, ignore_eos=True))
+        self.prefill(seq, use_cache=False)
+        self.extend(seq, [seq.token_ids[-1]])
+        self.decode_step([seq])
+        seq.finish_reason = "abort"
+        self.release(seq, cache=False)
+
     def kv_bytes(self, num_tokens: int) -> int:
         return num_tokens * self.layout.bytes_per_token
 

@@ -11,6 +11,7 @@ estimate and the Flight stream speak.
 from __future__ import annotations
 
 import hashlib
+import warnings
 import zlib
 from dataclasses import dataclass, field
 
@@ -246,7 +247,9 @@ class BlockPool:
             raise KVError(f"KV layout {blocks.layout} does not match this engine's {self.layout}")
         if len(ids) != blocks.num_blocks:
             raise KVError(f"{len(ids)} destination blocks for {blocks.num_blocks} received")
-        src = torch.from_numpy(blocks.data)
+        with warnings.catch_warnings():  # read-only object-store/Arrow views: we only read them
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.from_numpy(blocks.data)
         if self.layout.dtype == "bfloat16":
             src = src.view(torch.bfloat16)
         self.data[torch.as_tensor(ids, dtype=torch.long, device=self.data.device)] = src.to(self.data.device)

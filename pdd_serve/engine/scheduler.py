@@ -69,10 +69,12 @@ class EngineWorker:
         await self.call(self.engine.release, seq, cache)
 
     def _ensure_loop(self) -> None:
-        if self._wake is None:
-            self._wake = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        if self._wake is None or self._loop_task is None or self._loop_task.get_loop() is not loop:
+            self._wake = asyncio.Event()  # (re)bound to the running loop
+            self._loop_task = None
         if self._loop_task is None or self._loop_task.done():
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+            self._loop_task = loop.create_task(self._run())
         self._wake.set()
 
     async def _run(self) -> None:

@@ -1,0 +1,39 @@
+"""`build_app(args)`: the graph every YAML under graphs/ imports (`pdd_serve.serve.app:build_app`).
+
+One PDDConfig flows from the YAML's `args` into every deployment; each deployment is pinned to
+its site's nodes by a `pdd.site` label selector (the YAML may restate the same options).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from typing import Any
+
+from ray.serve import Application
+
+from pdd_serve.config import PDDConfig, load_config
+from pdd_serve.serve.common import actor_options
+from pdd_serve.serve.main_decode import MainDecode
+from pdd_serve.serve.prefill import Prefill
+from pdd_serve.serve.relay import Relay
+from pdd_serve.serve.router import Router
+
+
+def md_name(i: int) -> str:
+    # one deployment per MD replica: handoffs must reach the replica that holds the request
+    return f"MainDecode{i}"
+
+
+def build_app(args: dict[str, Any] | PDDConfig | None = None) -> Application:
+    cfg = load_config(args)
+    if cfg.flight.token is None:  # one random Flight token per deployed graph, shared by P and MD
+        cfg = dataclasses.replace(cfg, flight=dataclasses.replace(cfg.flight, token=secrets.token_urlsafe(24)))
+    s = cfg.sites
+    prefill = Prefill.options(num_replicas=s.prefill_replicas, ray_actor_options=actor_options(cfg, s.prefill)).bind(cfg)
+    relay = None
+    if cfg.uses_relay:
+        relay = Relay.options(num_replicas=s.relay_replicas, ray_actor_options=actor_options(cfg, s.relay)).bind(cfg)
+    mds = [MainDecode.options(name=md_name(i), num_replicas=1, ray_actor_options=actor_options(cfg, s.main_decode))
+           .bind(cfg, i) for i in range(s.main_decode_replicas)]
+    return Router.options(ray_actor_options=actor_options(cfg, s.router, num_cpus=0.25)).bind(cfg, prefill, relay, mds)

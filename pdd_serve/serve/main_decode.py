@@ -1,0 +1,173 @@
+"""Main decode (MD), site B: Flight server for KV, decode-side radix cache (DRC), continuous
+batching, and `extend` over the token ids a relay hands off."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from ray import serve
+
+from pdd_serve.config import PDDConfig
+from pdd_serve.engine.engine import Sequence
+from pdd_serve.engine.kv import block_hashes, blocks_needed
+from pdd_serve.engine.scheduler import EngineWorker
+from pdd_serve.policy import MDStatus
+from pdd_serve.serve.common import load_engine, logger
+from pdd_serve.serve.messages import GenRequest, KVReady, MDPrepareReply, ReplicaStats, TokenChunk
+
+
+class MDRequestError(RuntimeError):
+    """The router asked about a request this MD replica does not hold (restarted, aborted)."""
+
+
+@serve.deployment(max_ongoing_requests=512, health_check_period_s=5)
+class MainDecode:
+    def __init__(self, cfg: PDDConfig, index: int = 0) -> None:
+        from pdd_serve.transport.flight import KVFlightServer
+
+        self.cfg, self.index = cfg, index
+        self.engine = load_engine(cfg.model, enable_prefix_cache=cfg.policy.drc)
+        self.worker = EngineWorker(self.engine, cfg.model.max_batch)
+        fl = cfg.flight
+        self.flight = KVFlightServer(
+            fl.bind_host, fl.port, layout=self.engine.layout, token=fl.token,
+            tls_cert=fl.tls_cert, tls_key=fl.tls_key, advertise_host=fl.advertise_host,
+            max_bytes_per_request=fl.max_bytes_per_request, max_bytes_total=fl.max_bytes_total,
+        )
+        self.seqs: dict[str, Sequence] = {}
+        self._kv: dict[str, asyncio.Task] = {}
+        self._t_prepare: dict[str, float] = {}
+        logger.info("MainDecode %d: Flight at %s", index, self.flight.location)
+
+    # ------------------------------------------------------------ control plane
+
+    def status(self, prompt_hashes: list[int]) -> MDStatus:
+        """DRC prefix hit for a prompt and current load (the router's affinity input)."""
+        hit = self.engine.cache.peek(prompt_hashes) if self.engine.cache is not None else 0
+        return MDStatus(self.index, hit, self.worker.num_running + len(self._kv), self.cfg.model.max_batch)
+
+    async def prepare(self, req: GenRequest) -> MDPrepareReply:
+        """Register a request: adopt its DRC prefix and expect the rest of the prompt over Flight."""
+        if req.request_id in self.seqs:
+            raise MDRequestError(f"request {req.request_id} is already registered at MD {self.index}")
+        seq = self.engine.add(req.request_id, list(req.prompt_token_ids), req.params)
+        hit = await self.worker.call(self.engine.match_prefix, seq) if self.engine.cache is not None else 0
+        bs = self.engine.block_size
+        start = hit // bs
+        n = blocks_needed(seq.prompt_len, bs) - start
+        hashes = block_hashes(seq.token_ids[: seq.prompt_len], bs)[start:]
+        hashes += [0] * (n - len(hashes))  # a trailing partial block has no identity
+        self.flight.expect(req.request_id, n, start_block=start, num_tokens=seq.prompt_len - hit, hashes=hashes)
+        self.seqs[req.request_id] = seq
+        self._t_prepare[req.request_id] = time.monotonic()
+        return MDPrepareReply(self.index, hit, start, n, self.flight.location)
+
+    async def wait_kv(self, request_id: str, timeout_s: float) -> KVReady:
+        """Wait (bounded) until the prompt's KV has arrived and is loaded."""
+        seq = self._seq(request_id)
+        if seq.num_computed >= seq.prompt_len:
+            return KVReady(True, 0, 0.0)
+        task = self._kv.get(request_id)
+        if task is None:
+            task = self._kv[request_id] = asyncio.get_running_loop().create_task(self._receive(request_id, seq))
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), timeout_s)
+        except asyncio.TimeoutError:
+            return KVReady(False, error=f"KV for {request_id} not complete after {timeout_s:.1f}s")
+
+    async def _receive(self, request_id: str, seq: Sequence) -> KVReady:
+        try:
+            got = await self.flight.wait_complete(request_id, self.cfg.flight.deadline_s)
+            await self.worker.call(self.engine.import_kv, seq, got.blocks)
+            return KVReady(True, got.bytes_received, got.seconds)
+        except Exception as e:  # a broken transfer is reported, the router falls back
+            return KVReady(False, error=f"{type(e).__name__}: {e}")
+        finally:
+            self.flight.release(request_id)
+
+    async def handoff_batch(self, request_id: str, token_ids: list[int], timeout_s: float) -> int:
+        """Catch-up handoff: build KV for a batch of committed tokens (no sampling yet).
+        Returns how many output tokens MD now holds."""
+        seq = await self._ready(request_id, timeout_s)
+        if token_ids:
+            await self.worker.call(self.engine.extend, seq, list(token_ids), sample=False)
+        return len(seq.output_ids)
+
+    async def decode(self, request_id: str, committed: list[int], timeout_s: float) -> AsyncIterator[TokenChunk]:
+        """Take over a request: extend over the committed tokens MD lacks, then decode in the
+        shared batch. `committed` is everything the client has seen (the router's truth)."""
+        finished = False
+        try:
+            seq = await self._ready(request_id, timeout_s)
+            have = len(seq.output_ids)
+            if seq.output_ids != list(committed[:have]):
+                raise MDRequestError(f"{request_id}: MD holds tokens that differ from the committed stream")
+            tok = await self.worker.call(self.engine.extend, seq, list(committed[have:]))
+            yield TokenChunk([tok], seq.finish_reason)
+            if seq.finish_reason is None:
+                async for step in self.worker.decode(seq):
+                    yield TokenChunk(step.token_ids, step.finish_reason)
+            finished = seq.finish_reason is not None
+        finally:
+            await self._drop(request_id, cache=finished)
+
+    async def absorb(self, request_id: str, output_ids: list[int], timeout_s: float) -> bool:
+        """The relay finished a request before the handoff: build the output's KV anyway so MD's
+        DRC stays aligned with P's (PDD.md: both pipelines end at MD)."""
+        try:
+            seq = await self._ready(request_id, timeout_s)
+            new = list(output_ids[len(seq.output_ids):])
+            if len(new) > 1:
+                await self.worker.call(self.engine.extend, seq, new[:-1], sample=False)
+            seq.finish_reason = "stop"
+            return True
+        except Exception as e:
+            logger.warning("absorb %s failed: %s", request_id, e)
+            return False
+        finally:
+            await self._drop(request_id, cache=True)
+
+    async def abort(self, request_id: str) -> bool:
+        known = request_id in self.seqs
+        await self._drop(request_id, cache=False)
+        return known
+
+    def stats(self) -> ReplicaStats:
+        e = self.engine
+        return ReplicaStats("main_decode", len(self.seqs), e.pool.num_free, e.pool.num_blocks,
+                            e.cache.num_blocks if e.cache else 0, e.cache.stats.hit_rate if e.cache else 0.0,
+                            {"flight": self.flight.location, "index": self.index,
+                             "flight_bytes_reserved": self.flight.bytes_reserved})
+
+    # ------------------------------------------------------------ helpers
+
+    def _seq(self, request_id: str) -> Sequence:
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            raise MDRequestError(f"request {request_id} is not registered at MD {self.index}")
+        return seq
+
+    async def _ready(self, request_id: str, timeout_s: float) -> Sequence:
+        ready = await self.wait_kv(request_id, timeout_s)
+        if not ready.ok:
+            raise TimeoutError(ready.error)
+        return self._seq(request_id)
+
+    async def _drop(self, request_id: str, cache: bool) -> None:
+        seq = self.seqs.pop(request_id, None)
+        task = self._kv.pop(request_id, None)
+        self._t_prepare.pop(request_id, None)
+        if task is not None and not task.done():
+            task.cancel()
+        self.flight.release(request_id)
+        if seq is not None:
+            if not cache and seq.finish_reason is None:
+                seq.finish_reason = "abort"
+            await self.worker.release(seq, cache=cache)
+
+    def __del__(self) -> None:
+        flight = getattr(self, "flight", None)
+        if flight is not None:
+            flight.close()

@@ -1,0 +1,91 @@
+"""Typed messages that cross a process or a site on the control plane (Serve handle calls).
+
+KV bytes never travel in these: inside a site they go by ObjectRef (object store), across
+sites by Arrow Flight. What crosses the WAN on the control plane is small: ids, token ids,
+block counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdd_serve.engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class MDPrepareReply:
+    """MD registered the request: it holds `hit_tokens` of the prompt in its DRC and expects
+    the blocks from `start_block` on over Flight at `flight_location`."""
+
+    md_index: int
+    hit_tokens: int
+    start_block: int
+    expected_blocks: int
+    flight_location: str
+
+
+@dataclass(frozen=True)
+class KVTarget:
+    """Where Prefill streams the blocks MD lacks."""
+
+    flight_location: str
+    start_block: int
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    req: GenRequest
+    to_relay: bool  # put the whole prompt KV in the object store for Relay
+    md_target: KVTarget | None  # stream the missing blocks to MD (None: P->RLD, no WAN transfer)
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    first_token: int
+    finish_reason: str | None
+    prefix_hit_tokens: int
+    prefill_s: float
+    wan_bytes: int  # bytes queued for the WAN (the blocks MD lacks)
+    kv_ref: Any = None  # ray.ObjectRef of the prompt's KVBlocks (object store), for Relay
+
+
+@dataclass(frozen=True)
+class RelayRequest:
+    req: GenRequest
+    first_token: int
+    kv_ref: Any  # ObjectRef from Prefill (same site, same object store)
+
+
+@dataclass(frozen=True)
+class KVReady:
+    ok: bool
+    nbytes: int = 0
+    elapsed_s: float = 0.0  # from MD's prepare to KV complete
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    """Tokens from a decoder (Relay or MD), in order; `finish_reason` on the last chunk."""
+
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+@dataclass
+class ReplicaStats:
+    role: str
+    running: int
+    free_blocks: int
+    total_blocks: int
+    cached_blocks: int = 0
+    hit_rate: float = 0.0
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,307 @@
+"""The Router's orchestration of one request through P, RLD and MD (DESIGN.md, handoff contract).
+
+The router is the source of truth for what the client has seen: `committed` holds every token
+yielded so far, and a decoder's token reaches `committed` only when it is yielded. At a handoff
+MD gets exactly `committed` (token ids, never KV) and continues from there, so no token is lost
+or repeated whichever side produced it.
+
+Backends are Serve deployment handles in production; anything with the same async methods
+works (the unit tests drive this with in-process fakes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from pdd_serve.config import PDDConfig
+from pdd_serve.engine.kv import block_hashes, blocks_needed
+from pdd_serve.policy import LinkEstimate, MDStatus, catchup_done, choose_pipeline, pick_md, plan_handoff
+from pdd_serve.serve.messages import (
+    GenRequest,
+    KVReady,
+    KVTarget,
+    MDPrepareReply,
+    PrefillRequest,
+    PrefillResult,
+    RelayRequest,
+    TokenChunk,
+)
+
+T = TypeVar("T")
+
+
+def _spawn(aw: Awaitable[T]) -> asyncio.Future[T]:
+    """A task whose exception is always retrieved (a cancelled relay read may fail after the cut)."""
+    fut = asyncio.ensure_future(aw)
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return fut
+
+
+class Backends(Protocol):
+    """What the orchestrator needs from the deployments (the Router adapts Serve handles)."""
+
+    num_md: int
+
+    async def md_status(self, i: int, hashes: list[int]) -> MDStatus: ...
+    async def md_prepare(self, i: int, req: GenRequest) -> MDPrepareReply: ...
+    async def md_wait_kv(self, i: int, request_id: str, timeout_s: float) -> KVReady: ...
+    async def md_handoff_batch(self, i: int, request_id: str, token_ids: list[int], timeout_s: float) -> int: ...
+    def md_decode(self, i: int, request_id: str, committed: list[int], timeout_s: float) -> AsyncIterator[TokenChunk]: ...
+    async def md_absorb(self, i: int, request_id: str, output_ids: list[int], timeout_s: float) -> bool: ...
+    async def md_abort(self, i: int, request_id: str) -> bool: ...
+    async def prefill(self, preq: PrefillRequest) -> PrefillResult: ...
+    def relay(self, rreq: RelayRequest) -> AsyncIterator[TokenChunk]: ...
+
+
+@dataclass
+class PDDInfo:
+    """The `pdd` object each response carries: what PDD did with the request."""
+
+    pipeline: str = ""
+    handoff_mode: str = "none"
+    handoff_batches: int = 0
+    eager_tokens: int = 0  # tokens the client got from RLD
+    md_tokens: int = 0
+    wan_bytes: int = 0
+    md_replica: int | None = None
+    prefix_hit_p: float = 0.0
+    prefix_hit_md: float = 0.0
+    ttft_s: float = 0.0
+    kv_ready_s: float | None = None
+    handoff_s: float | None = None
+    reason: str = ""
+    fallback: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+
+
+@dataclass
+class RequestState:
+    gen: GenRequest
+    info: PDDInfo = field(default_factory=PDDInfo)
+    committed: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    t0: float = field(default_factory=time.monotonic)
+
+
+class Orchestrator:
+    def __init__(self, cfg: PDDConfig, backends: Backends, block_bytes: int, link: LinkEstimate) -> None:
+        self.cfg = cfg
+        self.b = backends
+        self.block_bytes = block_bytes
+        self.link = link  # replaced as the live bandwidth estimate moves
+        self.relay_running = 0
+        self.bg: set[asyncio.Task] = set()  # fire-and-forget cleanups, kept referenced
+        self.timeout = cfg.policy.kv_wait_timeout_s
+
+    # ------------------------------------------------------------ entry point
+
+    async def run(self, st: RequestState, forced: dict[str, str] | None = None) -> AsyncIterator[list[int]]:
+        """Yield token-id lists in order; `st` carries committed tokens, finish reason and info."""
+        forced = forced or {}
+        gen, info, pol = st.gen, st.info, self.cfg.policy
+        prompt = list(gen.prompt_token_ids)
+        bs = self.cfg.model.block_size
+        hashes = block_hashes(prompt, bs)
+        statuses = await asyncio.gather(*(self._status(i, hashes) for i in range(self.b.num_md)))
+        md = pick_md(list(statuses), blocks_needed(len(prompt), bs), self.block_bytes, self.link)
+        missing = (blocks_needed(len(prompt), bs) - statuses[md].hit_blocks) * self.block_bytes
+        dec = choose_pipeline(len(prompt), gen.params.max_tokens, missing, self.link, self.relay_running, pol,
+                              forced.get("pipeline"))
+        info.pipeline, info.reason = dec.pipeline, dec.reason
+        prepared = False
+        try:
+            target = None
+            if dec.pipeline != "P-RLD":
+                prep = await self._bounded(self.b.md_prepare(md, gen), "MD prepare")
+                prepared = True
+                info.md_replica = md
+                info.prefix_hit_md = prep.hit_tokens / len(prompt)
+                target = KVTarget(prep.flight_location, prep.start_block)
+            pre = await self._bounded(self.b.prefill(PrefillRequest(gen, dec.pipeline != "P-MD", target)), "prefill")
+            info.prefix_hit_p = pre.prefix_hit_tokens / len(prompt)
+            info.wan_bytes = pre.wan_bytes
+            info.ttft_s = time.monotonic() - st.t0
+            st.committed.append(pre.first_token)
+            yield [pre.first_token]
+            if pre.finish_reason is not None:
+                st.finish_reason = pre.finish_reason
+                if prepared:
+                    self._background(self.b.md_absorb(md, gen.request_id, st.committed, self.timeout))
+                    prepared = False
+                return
+            if dec.pipeline == "P-MD":
+                async for toks in self._from_md(st, md):
+                    yield toks
+            elif dec.pipeline == "P-RLD":
+                async for toks in self._from_relay_only(st, pre):
+                    yield toks
+            else:
+                async for toks in self._relay_then_md(st, md, pre, forced.get("handoff_mode")):
+                    yield toks
+            prepared = False  # MD released the request itself (decode/absorb ended it)
+        finally:
+            if prepared and st.finish_reason is None:
+                self._background(self.b.md_abort(md, gen.request_id))
+
+    # ------------------------------------------------------------ pipelines
+
+    async def _from_md(self, st: RequestState, md: int) -> AsyncIterator[list[int]]:
+        it = self.b.md_decode(md, st.gen.request_id, list(st.committed), self.timeout).__aiter__()
+        try:
+            async for chunk in it:
+                if st.info.kv_ready_s is None:
+                    st.info.kv_ready_s = time.monotonic() - st.t0
+                st.committed.extend(chunk.token_ids)
+                st.info.md_tokens += len(chunk.token_ids)
+                yield chunk.token_ids
+                if chunk.finish_reason is not None:
+                    st.finish_reason = chunk.finish_reason
+                    return
+        finally:
+            if st.finish_reason is None:  # the client left: stop MD decoding for nobody
+                await self._close(it)
+
+    async def _from_relay_only(self, st: RequestState, pre: PrefillResult) -> AsyncIterator[list[int]]:
+        it = self.b.relay(RelayRequest(st.gen, pre.first_token, pre.kv_ref)).__aiter__()
+        self.relay_running += 1
+        try:
+            async for chunk in it:
+                st.committed.extend(chunk.token_ids)
+                st.info.eager_tokens += len(chunk.token_ids)
+                yield chunk.token_ids
+                if chunk.finish_reason is not None:
+                    st.finish_reason = chunk.finish_reason
+                    return
+        finally:
+            self.relay_running -= 1
+            if st.finish_reason is None:
+                await self._close(it)
+
+    async def _relay_then_md(self, st: RequestState, md: int, pre: PrefillResult,
+                             forced_mode: str | None) -> AsyncIterator[list[int]]:
+        rid, pol = st.gen.request_id, self.cfg.policy
+        relay_it = self.b.relay(RelayRequest(st.gen, pre.first_token, pre.kv_ref)).__aiter__()
+        self.relay_running += 1
+        nxt: asyncio.Task | None = _spawn(relay_it.__anext__())
+        kv: asyncio.Task = _spawn(self.b.md_wait_kv(md, rid, self.timeout))
+        batch: asyncio.Task | None = None
+        relay_open = True
+        try:
+            # Phase 1: eager tokens from RLD while the KV crawls to MD
+            while not kv.done():
+                await asyncio.wait({nxt, kv}, return_when=asyncio.FIRST_COMPLETED)
+                if nxt.done():
+                    toks, fin = self._take(st, nxt)
+                    if toks:
+                        yield toks
+                    if fin:  # RLD finished it first: MD still absorbs it so the caches stay aligned
+                        self._background(self.b.md_absorb(md, rid, list(st.committed), self.timeout))
+                        return
+                    nxt = _spawn(relay_it.__anext__())
+            ready: KVReady = kv.result()
+            st.info.kv_ready_s = time.monotonic() - st.t0
+            t_handoff = time.monotonic()
+            if not ready.ok:  # the KV did not make it in time: RLD finishes the request alone
+                st.info.fallback = f"relay finished: {ready.error}"
+                self._background(self.b.md_abort(md, rid))
+                while True:
+                    await asyncio.wait({nxt})
+                    toks, fin = self._take(st, nxt)
+                    if toks:
+                        yield toks
+                    if fin:
+                        return
+                    nxt = _spawn(relay_it.__anext__())
+            mode = plan_handoff(st.info.eager_tokens, self.relay_running, pol, forced_mode)
+            st.info.handoff_mode = mode
+            if mode == "catch-up":
+                # Phase 2: hand committed tokens over in batches while RLD keeps generating
+                md_has = 0  # output tokens whose KV MD has built
+                while not catchup_done(len(st.committed) - md_has, pol):
+                    # keep the last committed token back: the final extend needs its logits
+                    send = st.committed[md_has:-1]
+                    batch = _spawn(self.b.md_handoff_batch(md, rid, send, self.timeout))
+                    st.info.handoff_batches += 1
+                    while not batch.done():
+                        await asyncio.wait({nxt, batch}, return_when=asyncio.FIRST_COMPLETED)
+                        if nxt.done():
+                            toks, fin = self._take(st, nxt)
+                            if toks:
+                                yield toks
+                            if fin:
+                                await batch
+                                self._background(self.b.md_absorb(md, rid, list(st.committed), self.timeout))
+                                return
+                            nxt = _spawn(relay_it.__anext__())
+                    md_has = batch.result()
+                    batch = None
+            st.info.handoff_batches += 1  # the final extend carries the last token ids
+            # Phase 3: cut RLD at what the client has seen; MD extends over the rest and goes on
+            nxt.cancel()
+            await self._close(relay_it)
+            relay_open = False
+            self.relay_running -= 1
+            first = True
+            async for toks in self._from_md(st, md):
+                if first:
+                    st.info.handoff_s = time.monotonic() - t_handoff
+                    first = False
+                yield toks
+        finally:
+            for t in (nxt, kv, batch):
+                if t is not None and not t.done():
+                    t.cancel()
+            if relay_open:
+                self.relay_running -= 1
+                await self._close(relay_it)
+
+    # ------------------------------------------------------------ helpers
+
+    def _take(self, st: RequestState, nxt: asyncio.Task) -> tuple[list[int], bool]:
+        """Commit a finished relay chunk; (tokens, finished)."""
+        try:
+            chunk: TokenChunk = nxt.result()
+        except StopAsyncIteration:
+            raise RuntimeError(f"relay stream of {st.gen.request_id} ended without a finish reason") from None
+        st.committed.extend(chunk.token_ids)
+        st.info.eager_tokens += len(chunk.token_ids)
+        if chunk.finish_reason is not None:
+            st.finish_reason = chunk.finish_reason
+        return chunk.token_ids, chunk.finish_reason is not None
+
+    async def _status(self, i: int, hashes: list[int]) -> MDStatus:
+        try:
+            return await asyncio.wait_for(self.b.md_status(i, hashes), timeout=min(5.0, self.timeout))
+        except Exception:  # an unreachable MD is skipped while another can serve
+            return MDStatus(i, 0, 1 << 30, 1, healthy=False)
+
+    async def _bounded(self, aw: Awaitable[T], what: str) -> T:
+        try:
+            return await asyncio.wait_for(aw, timeout=self.timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"{what} did not answer within {self.timeout:.0f}s") from None
+
+    def _background(self, aw: Awaitable[Any]) -> None:
+        async def run() -> None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(aw, timeout=self.timeout)
+
+        t = _spawn(run())
+        self.bg.add(t)
+        t.add_done_callback(self.bg.discard)
+
+    @staticmethod
+    async def _close(it: Any) -> None:
+        closer = getattr(it, "aclose", None) or getattr(it, "cancel", None)
+        if closer is not None:
+            with contextlib.suppress(Exception):
+                res = closer()
+                if asyncio.iscoroutine(res):
+                    await res

@@ -1,0 +1,106 @@
+"""Prefill (P), site A: computes the prompt's KV with its own prefix cache, puts it in the object
+store for Relay and streams the blocks MD lacks to MD over Flight, in parallel, as they are made."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+from ray import serve
+
+from pdd_serve.config import PDDConfig
+from pdd_serve.engine.engine import Sequence
+from pdd_serve.engine.kv import KVBlocks, blocks_needed, num_full_blocks
+from pdd_serve.engine.scheduler import EngineWorker
+from pdd_serve.serve.common import load_engine, logger
+from pdd_serve.serve.messages import KVTarget, PrefillRequest, PrefillResult, ReplicaStats
+
+PREFILL_CHUNK_TOKENS = 256  # blocks of a chunk leave for MD while the next chunk computes
+
+
+class _BlockFeed:
+    """Hands a request's finished blocks from the engine thread to its Flight sender thread."""
+
+    def __init__(self, target: KVTarget) -> None:
+        self.target = target
+        self.next_block = target.start_block
+        self.q: queue.Queue[KVBlocks | None] = queue.Queue()
+        self.nbytes = 0
+
+    def on_chunk(self, engine, seq: Sequence) -> None:  # noqa: ANN001 - runs on the engine thread
+        done = seq.num_computed >= seq.prompt_len
+        end = blocks_needed(seq.prompt_len, engine.block_size) if done else num_full_blocks(seq.num_computed, engine.block_size)
+        if end > self.next_block:
+            run = engine.export_kv(seq, self.next_block, end)
+            self.nbytes += run.nbytes
+            self.q.put(run)
+            self.next_block = end
+        if done:
+            self.q.put(None)
+
+    def __iter__(self):
+        while (run := self.q.get()) is not None:
+            yield run
+
+
+@serve.deployment(max_ongoing_requests=64)
+class Prefill:
+    def __init__(self, cfg: PDDConfig) -> None:
+        self.cfg = cfg
+        self.engine = load_engine(cfg.model, enable_prefix_cache=True, threads=2)
+        self.worker = EngineWorker(self.engine, cfg.model.max_batch)
+        # one link per replica: all of this replica's transfers share its bandwidth
+        self.link = cfg.link.build(self.engine.layout.bytes_per_token)
+        self.transfers = {"started": 0, "done": 0, "failed": 0, "bytes": 0}
+
+    async def prefill(self, preq: PrefillRequest) -> PrefillResult:
+        from pdd_serve.transport.object_store import put_kv
+
+        req = preq.req
+        seq = self.engine.add(req.request_id, list(req.prompt_token_ids), req.params)
+        feed = _BlockFeed(preq.md_target) if preq.md_target is not None else None
+        if feed is not None:
+            self._start_sender(req.request_id, feed)
+        t0 = time.perf_counter()
+        kv_ref = None
+        try:
+            first = await self.worker.call(
+                self.engine.prefill, seq, chunk_tokens=PREFILL_CHUNK_TOKENS,
+                on_chunk=(lambda s: feed.on_chunk(self.engine, s)) if feed is not None else None)
+            finish = seq.finish_reason  # read before release, which marks unfinished sequences aborted
+            if preq.to_relay:
+                kv_ref = put_kv(await self.worker.call(self.engine.export_kv, seq))
+        except BaseException:
+            if feed is not None:
+                feed.q.put(None)
+            raise
+        finally:
+            await self.worker.release(seq)
+        wan = feed.nbytes if feed is not None else 0
+        return PrefillResult(first, finish, seq.prefix_hit_tokens, time.perf_counter() - t0, wan, kv_ref)
+
+    def _start_sender(self, request_id: str, feed: _BlockFeed) -> None:
+        from pdd_serve.transport.flight import KVFlightClient
+
+        fl = self.cfg.flight
+
+        def send() -> None:
+            self.transfers["started"] += 1
+            try:
+                client = KVFlightClient(feed.target.flight_location, fl.token, layout=self.engine.layout,
+                                        tls_root_cert=fl.tls_root_cert, batch_blocks=fl.batch_blocks,
+                                        deadline_s=fl.deadline_s, link=self.link if self.link.config.paced else None)
+                stats = client.push(request_id, iter(feed))
+                self.transfers["done"] += 1
+                self.transfers["bytes"] += stats.bytes_sent
+            except Exception as e:  # MD's bounded wait turns this into a fallback
+                self.transfers["failed"] += 1
+                logger.warning("KV transfer of %s failed: %s", request_id, e)
+
+        threading.Thread(target=send, name=f"kv-send-{request_id}", daemon=True).start()
+
+    def stats(self) -> ReplicaStats:
+        e = self.engine
+        return ReplicaStats("prefill", self.worker.num_running, e.pool.num_free, e.pool.num_blocks,
+                            e.cache.num_blocks, e.cache.stats.hit_rate, dict(self.transfers))

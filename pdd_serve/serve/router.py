@@ -1,0 +1,195 @@
+"""Router, site A, the Serve ingress: the OpenAI-compatible HTTP API over the orchestrator.
+
+No `from __future__ import annotations` here: FastAPI reads the route signatures at runtime.
+"""
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+
+from pdd_serve.config import PDDConfig
+from pdd_serve.engine.sampling import SamplingParams
+from pdd_serve.metrics import RouterMetrics
+from pdd_serve.policy import LinkEstimate
+from pdd_serve.serve import openai_api as oai
+from pdd_serve.serve.common import logger
+from pdd_serve.serve.messages import GenRequest
+from pdd_serve.serve.orchestrator import Orchestrator, RequestState
+
+api = FastAPI(title="pdd_serve", description="PDD: Prefill -> Relay decode -> Main decode, OpenAI-compatible API")
+
+
+class ServeBackends:
+    """Adapts Serve deployment handles to the orchestrator's Backends protocol."""
+
+    def __init__(self, prefill: Any, relay: Any, mds: list[Any]) -> None:
+        self.p, self.r, self.mds = prefill, relay, list(mds)
+        self.num_md = len(self.mds)
+
+    async def md_status(self, i, hashes):  # noqa: ANN001, ANN201 - signatures in orchestrator.Backends
+        return await self.mds[i].status.remote(hashes)
+
+    async def md_prepare(self, i, req):  # noqa: ANN001, ANN201
+        return await self.mds[i].prepare.remote(req)
+
+    async def md_wait_kv(self, i, request_id, timeout_s):  # noqa: ANN001, ANN201
+        return await self.mds[i].wait_kv.remote(request_id, timeout_s)
+
+    async def md_handoff_batch(self, i, request_id, token_ids, timeout_s):  # noqa: ANN001, ANN201
+        return await self.mds[i].handoff_batch.remote(request_id, token_ids, timeout_s)
+
+    def md_decode(self, i, request_id, committed, timeout_s):  # noqa: ANN001, ANN201
+        return self.mds[i].options(stream=True).decode.remote(request_id, committed, timeout_s)
+
+    async def md_absorb(self, i, request_id, output_ids, timeout_s):  # noqa: ANN001, ANN201
+        return await self.mds[i].absorb.remote(request_id, output_ids, timeout_s)
+
+    async def md_abort(self, i, request_id):  # noqa: ANN001, ANN201
+        return await self.mds[i].abort.remote(request_id)
+
+    async def prefill(self, preq):  # noqa: ANN001, ANN201
+        return await self.p.prefill.remote(preq)
+
+    def relay(self, rreq):  # noqa: ANN001, ANN201
+        if self.r is None:
+            raise RuntimeError("this graph has no relay deployment")
+        return self.r.options(stream=True).generate.remote(rreq)
+
+
+@serve.deployment(max_ongoing_requests=512)
+@serve.ingress(api)
+class Router:
+    def __init__(self, cfg: PDDConfig, prefill: Any, relay: Any, mds: list[Any]) -> None:
+        from transformers import AutoTokenizer
+
+        from pdd_serve.engine.kv import KVLayout
+        from pdd_serve.engine.model import ModelArgs
+        from pdd_serve.models import resolve_model
+        from pdd_serve.transport.link import BandwidthEstimator
+
+        self.cfg = cfg
+        path = resolve_model(cfg.model.path)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        margs = ModelArgs.from_checkpoint(path)
+        self.max_model_len = min(cfg.model.max_model_len or margs.max_position_embeddings, margs.max_position_embeddings)
+        dtype = cfg.model.dtype or ("float32" if cfg.model.device == "cpu" else "bfloat16")
+        self.layout = KVLayout(margs.num_layers, margs.num_kv_heads, margs.head_dim, cfg.model.block_size, dtype)
+        link = cfg.link.build(self.layout.bytes_per_token)
+        self.link_latency = link.config.one_way_latency_s
+        self.bw = BandwidthEstimator(initial_bps=link.bandwidth_bps)  # bits/s, None = unpaced
+        self.orch = Orchestrator(cfg, ServeBackends(prefill, relay, mds), self.layout.block_bytes, self._link_estimate())
+        self.metrics = RouterMetrics()
+        self.in_flight = 0
+        self.created = int(time.time())
+
+    def _link_estimate(self) -> LinkEstimate:
+        bps = self.bw.bps
+        return LinkEstimate(float("inf") if bps is None else bps / 8, self.link_latency)
+
+    # ------------------------------------------------------------ routes
+
+    @api.get("/health")
+    async def health(self) -> dict:
+        return {"status": "ok", "graph": self.cfg.graph, "in_flight": self.in_flight}
+
+    @api.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        try:
+            oai.check_api_key(request.headers, self.cfg.server)
+        except oai.APIError as e:
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
+        return JSONResponse(oai.models_response(self.cfg.server.model_name, self.created))
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._handle(request, "completion")
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._handle(request, "chat")
+
+    # ------------------------------------------------------------ request handling
+
+    async def _handle(self, request: Request, kind: str) -> Response:
+        try:
+            oai.check_api_key(request.headers, self.cfg.server)
+            if self.in_flight >= self.cfg.server.max_queue:
+                self.metrics.rejected.inc(tags={"reason": "queue_full"})
+                raise oai.APIError(503, "overloaded_error", f"the router has {self.in_flight} requests in flight "
+                                   f"(server.max_queue); retry later", retry_after=1.0)
+            raw = await request.body()
+            creq = oai.parse_request(raw, kind, self.cfg.server, self.tokenizer, self.max_model_len,
+                                     self.cfg.policy.allow_overrides)
+            params = SamplingParams(creq.max_tokens, creq.temperature, creq.top_p, creq.top_k, creq.seed,
+                                    creq.stop_token_ids, creq.ignore_eos)
+        except oai.APIError as e:
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
+        rid = oai.new_request_id(kind)
+        st = RequestState(GenRequest(f"{rid}-{uuid.uuid4().hex[:6]}", creq.prompt_token_ids, params))
+        self.orch.link = self._link_estimate()
+        if creq.stream:
+            return StreamingResponse(self._stream(creq, st, rid), media_type="text/event-stream")
+        return await self._complete(creq, st, rid)
+
+    async def _tokens(self, creq: oai.CompletionRequest, st: RequestState) -> AsyncIterator[tuple[str, bool]]:
+        """(text delta, stopped) per token, string stops applied; bookkeeping for metrics."""
+        detok = oai.IncrementalDetokenizer(self.tokenizer, creq.prompt_token_ids, creq.stop)
+        gen = self.orch.run(st, creq.pdd_override)
+        self.in_flight += 1
+        t_prev = None
+        try:
+            async for toks in gen:
+                now = time.monotonic()
+                if t_prev is None:
+                    self.metrics.ttft.observe(now - st.t0, tags={"pipeline": st.info.pipeline})
+                else:
+                    self.metrics.tpot.observe((now - t_prev) / len(toks), tags={"pipeline": st.info.pipeline})
+                t_prev = now
+                for t in toks:
+                    delta = detok.push(t)
+                    if detok.stopped:
+                        st.finish_reason = "stop"
+                        yield delta, True
+                        return
+                    yield delta, False
+            yield detok.flush(), True
+        finally:
+            self.in_flight -= 1
+            await gen.aclose()
+            self.metrics.record(st)
+
+    async def _complete(self, creq: oai.CompletionRequest, st: RequestState, rid: str) -> Response:
+        parts: list[str] = []
+        try:
+            async for delta, _ in self._tokens(creq, st):
+                parts.append(delta)
+        except Exception as e:
+            logger.exception("request %s failed", st.gen.request_id)
+            err = oai.APIError(500, "server_error", f"generation failed: {type(e).__name__}: {e}")
+            return JSONResponse(err.body(), status_code=err.status)
+        body = oai.completion_response(rid, self.created, creq.model, creq.kind, "".join(parts),
+                                       st.finish_reason or "stop", len(creq.prompt_token_ids), len(st.committed),
+                                       extra={"pdd": st.info.as_dict()})
+        return JSONResponse(body)
+
+    async def _stream(self, creq: oai.CompletionRequest, st: RequestState, rid: str) -> AsyncIterator[bytes]:
+        first = True
+        try:
+            async for delta, _ in self._tokens(creq, st):
+                if delta or first:
+                    yield oai.sse(oai.completion_chunk(rid, self.created, creq.model, creq.kind, delta, None, first=first))
+                    first = False
+            yield oai.sse(oai.completion_chunk(rid, self.created, creq.model, creq.kind, "", st.finish_reason or "stop",
+                                               extra={"pdd": st.info.as_dict()}, first=first))
+            if creq.include_usage:
+                yield oai.sse(oai.usage_chunk(rid, self.created, creq.model, creq.kind, len(creq.prompt_token_ids),
+                                              len(st.committed)))
+        except Exception as e:  # headers are sent: report in-band, OpenAI style
+            logger.exception("stream %s failed", st.gen.request_id)
+            yield oai.sse(oai.APIError(500, "server_error", f"generation failed: {type(e).__name__}: {e}").body())
+        yield oai.SSE_DONE

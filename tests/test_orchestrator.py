@@ -1,0 +1,217 @@
+"""The router's orchestration against real engines wired in-process (no Ray, no Flight).
+
+The backends here are real `Engine`s behind async methods; KV moves as `KVBlocks` objects and the
+WAN is an asyncio delay. This isolates the handoff logic: every pipeline and handoff mode must
+give exactly one engine's greedy output, with no token lost or repeated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from pdd_serve.config import PolicyConfig, load_config
+from pdd_serve.engine.engine import Engine
+from pdd_serve.engine.kv import block_hashes, blocks_needed
+from pdd_serve.engine.sampling import SamplingParams
+from pdd_serve.engine.scheduler import EngineWorker
+from pdd_serve.policy import LinkEstimate, MDStatus
+from pdd_serve.serve.messages import GenRequest, KVReady, MDPrepareReply, PrefillResult, TokenChunk
+from pdd_serve.serve.orchestrator import Orchestrator, RequestState
+from tests.test_engine import _prompt
+
+
+class InProcessBackends:
+    def __init__(self, model_dir, num_md: int = 2, wan_delay_s: float = 0.0, relay_step_s: float = 0.0) -> None:
+        self.p = Engine.from_pretrained(model_dir)
+        self.r = Engine.from_pretrained(model_dir, enable_prefix_cache=False)
+        self.mds = [Engine.from_pretrained(model_dir) for _ in range(num_md)]
+        self.pw, self.rw = EngineWorker(self.p), EngineWorker(self.r)
+        self.mws = [EngineWorker(e) for e in self.mds]
+        self.num_md = num_md
+        self.wan_delay_s = wan_delay_s
+        self.relay_step_s = relay_step_s
+        self.md_seqs: list[dict] = [{} for _ in range(num_md)]
+        self.inbox: dict[str, asyncio.Future] = {}
+        self.calls: list[str] = []
+
+    async def md_status(self, i, hashes):
+        return MDStatus(i, self.mds[i].cache.peek(hashes), len(self.md_seqs[i]), 32)
+
+    async def md_prepare(self, i, req: GenRequest):
+        seq = self.mds[i].add(req.request_id, list(req.prompt_token_ids), req.params)
+        hit = self.mds[i].match_prefix(seq)
+        self.md_seqs[i][req.request_id] = seq
+        self.inbox[req.request_id] = asyncio.get_running_loop().create_future()
+        n = blocks_needed(seq.prompt_len, 16) - hit // 16
+        return MDPrepareReply(i, hit, hit // 16, n, f"inproc://md{i}")
+
+    async def md_wait_kv(self, i, rid, timeout_s):
+        seq = self.md_seqs[i][rid]
+        if seq.num_computed < seq.prompt_len:
+            blocks = await asyncio.wait_for(asyncio.shield(self.inbox[rid]), timeout_s)
+            if seq.num_computed < seq.prompt_len:
+                await self.mws[i].call(self.mds[i].import_kv, seq, blocks)
+        return KVReady(True, 0, 0.0)
+
+    async def md_handoff_batch(self, i, rid, token_ids, timeout_s):
+        self.calls.append(f"batch:{len(token_ids)}")
+        await self.md_wait_kv(i, rid, timeout_s)
+        seq = self.md_seqs[i][rid]
+        await self.mws[i].call(self.mds[i].extend, seq, list(token_ids), sample=False)
+        return len(seq.output_ids)
+
+    async def md_decode(self, i, rid, committed, timeout_s):
+        self.calls.append(f"decode:{len(committed)}")
+        await self.md_wait_kv(i, rid, timeout_s)
+        seq = self.md_seqs[i][rid]
+        try:
+            tok = await self.mws[i].call(self.mds[i].extend, seq, list(committed[len(seq.output_ids):]))
+            yield TokenChunk([tok], seq.finish_reason)
+            if seq.finish_reason is None:
+                async for step in self.mws[i].decode(seq):
+                    yield TokenChunk(step.token_ids, step.finish_reason)
+        finally:
+            self.md_seqs[i].pop(rid, None)
+            await self.mws[i].release(seq, cache=seq.finish_reason is not None)
+
+    async def md_absorb(self, i, rid, output_ids, timeout_s):
+        await self.md_wait_kv(i, rid, timeout_s)
+        seq = self.md_seqs[i].pop(rid)
+        if len(output_ids) > 1:
+            await self.mws[i].call(self.mds[i].extend, seq, list(output_ids[:-1]), sample=False)
+        seq.finish_reason = "stop"
+        await self.mws[i].release(seq, cache=True)
+        return True
+
+    async def md_abort(self, i, rid):
+        seq = self.md_seqs[i].pop(rid, None)
+        if seq is not None:
+            seq.finish_reason = "abort"
+            await self.mws[i].release(seq, cache=False)
+        return seq is not None
+
+    async def prefill(self, preq):
+        req = preq.req
+        seq = self.p.add(req.request_id, list(req.prompt_token_ids), req.params)
+        first = await self.pw.call(self.p.prefill, seq)
+        kv = await self.pw.call(self.p.export_kv, seq)
+        finish = seq.finish_reason
+        await self.pw.release(seq)
+        wan = 0
+        if preq.md_target is not None:
+            delta = kv.slice(preq.md_target.start_block, kv.num_blocks)
+            wan = delta.nbytes
+
+            async def arrive() -> None:
+                await asyncio.sleep(self.wan_delay_s)
+                self.inbox[req.request_id].set_result(delta)
+
+            asyncio.ensure_future(arrive())
+        return PrefillResult(first, finish, seq.prefix_hit_tokens, 0.0, wan, kv if preq.to_relay else None)
+
+    async def relay(self, rreq):
+        req = rreq.req
+        seq = self.r.add(req.request_id, list(req.prompt_token_ids), req.params)
+        try:
+            await self.rw.call(self.r.import_kv, seq, rreq.kv_ref)
+            self.r.append_tokens(seq, [rreq.first_token])
+            async for step in self.rw.decode(seq):
+                await asyncio.sleep(self.relay_step_s)
+                yield TokenChunk(step.token_ids, step.finish_reason)
+        finally:
+            await self.rw.release(seq, cache=False)
+
+
+def _orch(backends, **policy) -> Orchestrator:
+    cfg = load_config({"policy": policy})
+    cfg = dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, **policy))
+    return Orchestrator(cfg, backends, backends.p.layout.block_bytes, LinkEstimate(1e5, 0.01))
+
+
+async def _run(orch: Orchestrator, prompt: list[int], n: int, forced=None, rid="r") -> tuple[list[int], RequestState]:
+    st = RequestState(GenRequest(rid, tuple(prompt), SamplingParams(n)))
+    out: list[int] = []
+    async for toks in orch.run(st, forced):
+        out += toks
+    assert out == st.committed
+    return out, st
+
+
+@pytest.mark.parametrize("forced, expect_mode", [
+    ({"pipeline": "P-MD"}, "none"),
+    ({"pipeline": "P-RLD"}, "none"),
+    ({"pipeline": "P-RLD-MD", "handoff_mode": "one-shot"}, "one-shot"),
+    ({"pipeline": "P-RLD-MD", "handoff_mode": "catch-up"}, "catch-up"),
+])
+def test_every_pipeline_equals_single_engine_greedy(model_dir, forced, expect_mode):
+    b = InProcessBackends(model_dir, wan_delay_s=0.3, relay_step_s=0.02)
+    orch = _orch(b, handoff_batch_tokens=1)
+    prompt = _prompt(90, 21)
+    ref = Engine.from_pretrained(model_dir).generate(prompt, 60)
+    out, st = asyncio.run(_run(orch, prompt, 60, forced))
+    assert out == ref
+    assert st.info.pipeline == forced["pipeline"] and st.info.handoff_mode == expect_mode
+    if forced["pipeline"] == "P-RLD-MD":
+        assert st.info.eager_tokens > 0 and st.info.md_tokens > 0
+        assert st.info.eager_tokens + st.info.md_tokens + 1 == len(ref)
+    if expect_mode == "catch-up":
+        assert st.info.handoff_batches >= 2  # at least one KV-only batch, then the final extend
+        assert [c for c in b.calls if c.startswith("batch")], b.calls
+    if expect_mode == "one-shot":
+        assert st.info.handoff_batches == 1 and not [c for c in b.calls if c.startswith("batch")]
+    # nothing left behind anywhere
+    assert all(not d for d in b.md_seqs)
+    assert b.r.pool.num_free == b.r.pool.num_blocks
+
+
+def test_policy_picks_relay_for_low_hit_and_md_for_high_hit(model_dir):
+    b = InProcessBackends(model_dir, num_md=2, wan_delay_s=0.2, relay_step_s=0.02)
+    orch = _orch(b, wan_budget_s=0.5)
+    turn1 = _prompt(200, 5)
+    ref1 = Engine.from_pretrained(model_dir).generate(turn1, 20)
+    out1, st1 = asyncio.run(_run(orch, turn1, 20, rid="t1"))
+    assert out1 == ref1 and st1.info.pipeline == "P-RLD-MD"  # cold: 200 tokens of KV over a slow link
+    turn2 = turn1 + out1 + _prompt(5, 6)
+    ref2 = Engine.from_pretrained(model_dir).generate(turn2, 20)
+    out2, st2 = asyncio.run(_run(orch, turn2, 20, rid="t2"))
+    assert out2 == ref2
+    assert st2.info.pipeline == "P-MD", st2.info.reason  # MD's DRC holds turn 1: small delta
+    assert st2.info.md_replica == st1.info.md_replica  # prefix affinity
+    assert st2.info.prefix_hit_md > 0.9
+
+
+def test_relay_that_finishes_first_leaves_md_clean(model_dir):
+    b = InProcessBackends(model_dir, wan_delay_s=1.0)
+    orch = _orch(b)
+    prompt = _prompt(40, 9)
+    ref = Engine.from_pretrained(model_dir).generate(prompt, 5)
+
+    async def main():
+        out, st = await _run(orch, prompt, 5, {"pipeline": "P-RLD-MD"})
+        await asyncio.gather(*orch.bg, return_exceptions=True)  # MD absorbs the finished request
+        return out, st
+
+    out, st = asyncio.run(main())
+    assert out == ref and st.info.handoff_mode == "none" and st.info.md_tokens == 0
+    assert all(not d for d in b.md_seqs)
+    # MD built the output's KV anyway: its DRC now holds the prompt's full blocks
+    assert b.mds[0].cache.peek(block_hashes(prompt, 16)) == 2
+
+
+def test_anomalous_request_goes_p_rld_without_wan(model_dir):
+    b = InProcessBackends(model_dir)
+    orch = _orch(b, anomalous_min_input_tokens=100, anomalous_max_output_tokens=8, anomalous_min_transfer_s=0.1)
+    prompt = _prompt(300, 2)
+    out, st = asyncio.run(_run(orch, prompt, 4))
+    assert out == Engine.from_pretrained(model_dir).generate(prompt, 4)
+    assert st.info.pipeline == "P-RLD" and st.info.wan_bytes == 0 and st.info.md_replica is None
+
+
+def test_policy_config_guards():
+    with pytest.raises(ValueError, match="pipelines"):
+        PolicyConfig(pipelines=("P-RLD",)).__class__(pipelines=())
+    hashes = block_hashes(list(range(40)), 16)
+    assert len(hashes) == 2
