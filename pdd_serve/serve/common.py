@@ -32,3 +32,12 @@ def actor_options(cfg: PDDConfig, site: str, num_cpus: float | None = None) -> d
     """Pin a deployment's replicas to the nodes of one site (a `pdd.site` node label)."""
     return {"num_cpus": cfg.sites.cpus_per_replica if num_cpus is None else num_cpus,
             "label_selector": {SITE_LABEL: site}}
+
+
+def placement() -> dict[str, str]:
+    """The node this replica runs on and that node's `pdd.site` label (pinning is checked on this)."""
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    node = next((n for n in ray.nodes() if n.get("NodeID") == node_id), {})
+    return {"node_id": node_id, "site": (node.get("Labels") or {}).get(SITE_LABEL, "")}

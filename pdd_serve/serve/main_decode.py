@@ -14,7 +14,7 @@ from pdd_serve.engine.engine import Sequence
 from pdd_serve.engine.kv import block_hashes, blocks_needed
 from pdd_serve.engine.scheduler import EngineWorker
 from pdd_serve.policy import MDStatus
-from pdd_serve.serve.common import load_engine, logger
+from pdd_serve.serve.common import load_engine, logger, placement
 from pdd_serve.serve.messages import GenRequest, KVReady, MDPrepareReply, ReplicaStats, TokenChunk
 
 
@@ -30,6 +30,7 @@ class MainDecode:
         self.cfg, self.index = cfg, index
         self.engine = load_engine(cfg.model, enable_prefix_cache=cfg.policy.drc)
         self.worker = EngineWorker(self.engine, cfg.model.max_batch)
+        self.where = placement()
         fl = cfg.flight
         self.flight = KVFlightServer(
             fl.bind_host, fl.port, layout=self.engine.layout, token=fl.token,
@@ -139,7 +140,7 @@ class MainDecode:
         return ReplicaStats("main_decode", len(self.seqs), e.pool.num_free, e.pool.num_blocks,
                             e.cache.num_blocks if e.cache else 0, e.cache.stats.hit_rate if e.cache else 0.0,
                             {"flight": self.flight.location, "index": self.index,
-                             "flight_bytes_reserved": self.flight.bytes_reserved})
+                             "flight_bytes_reserved": self.flight.bytes_reserved, **self.where})
 
     # ------------------------------------------------------------ helpers
 

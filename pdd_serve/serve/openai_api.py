@@ -74,6 +74,7 @@ class CompletionRequest:
     ignore_eos: bool = False
     pdd_override: dict[str, str] | None = None  # validated {pipeline?, handoff_mode?}
     user: str | None = None
+    return_token_ids: bool = False  # vLLM's extension: choices carry the output token ids
 
 
 # ---------------------------------------------------------------- parsing
@@ -417,6 +418,7 @@ def parse_request(raw: bytes, kind: str, cfg: ServerConfig, tokenizer: Any, max_
     stream = _opt_bool(body, "stream")
     include_usage = _include_usage(body)
     ignore_eos = _opt_bool(body, "ignore_eos")
+    return_token_ids = _opt_bool(body, "return_token_ids")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise _bad(f"'user' must be a string, got {_json_type(user)}.", param="user")
@@ -443,6 +445,7 @@ def parse_request(raw: bytes, kind: str, cfg: ServerConfig, tokenizer: Any, max_
         kind=kind, model=model, prompt_token_ids=ids, max_tokens=max_tokens, temperature=temperature,
         top_p=top_p, top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids, stream=stream,
         include_usage=include_usage, ignore_eos=ignore_eos, pdd_override=override, user=user,
+        return_token_ids=return_token_ids,
     )
 
 

@@ -13,7 +13,7 @@ from pdd_serve.config import PDDConfig
 from pdd_serve.engine.engine import Sequence
 from pdd_serve.engine.kv import KVBlocks, blocks_needed, num_full_blocks
 from pdd_serve.engine.scheduler import EngineWorker
-from pdd_serve.serve.common import load_engine, logger
+from pdd_serve.serve.common import load_engine, logger, placement
 from pdd_serve.serve.messages import KVTarget, PrefillRequest, PrefillResult, ReplicaStats
 
 PREFILL_CHUNK_TOKENS = 256  # blocks of a chunk leave for MD while the next chunk computes
@@ -50,6 +50,7 @@ class Prefill:
         self.cfg = cfg
         self.engine = load_engine(cfg.model, enable_prefix_cache=True, threads=2)
         self.worker = EngineWorker(self.engine, cfg.model.max_batch)
+        self.where = placement()
         # one link per replica: all of this replica's transfers share its bandwidth
         self.link = cfg.link.build(self.engine.layout.bytes_per_token)
         self.transfers = {"started": 0, "done": 0, "failed": 0, "bytes": 0}
@@ -103,4 +104,4 @@ class Prefill:
     def stats(self) -> ReplicaStats:
         e = self.engine
         return ReplicaStats("prefill", self.worker.num_running, e.pool.num_free, e.pool.num_blocks,
-                            e.cache.num_blocks, e.cache.stats.hit_rate, dict(self.transfers))
+                            e.cache.num_blocks, e.cache.stats.hit_rate, {**self.transfers, **self.where})

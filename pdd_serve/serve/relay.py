@@ -11,7 +11,7 @@ from ray import serve
 
 from pdd_serve.config import PDDConfig
 from pdd_serve.engine.scheduler import EngineWorker
-from pdd_serve.serve.common import load_engine
+from pdd_serve.serve.common import load_engine, placement
 from pdd_serve.serve.messages import RelayRequest, ReplicaStats, TokenChunk
 
 
@@ -22,6 +22,7 @@ class Relay:
         # no prefix cache: RLD receives every prompt's KV from P; it holds KV only while it relays
         self.engine = load_engine(cfg.model, enable_prefix_cache=False)
         self.worker = EngineWorker(self.engine, cfg.model.max_batch)
+        self.where = placement()
         self.tokens_generated = 0
 
     async def generate(self, rreq: RelayRequest) -> AsyncIterator[TokenChunk]:
@@ -45,4 +46,4 @@ class Relay:
     def stats(self) -> ReplicaStats:
         e = self.engine
         return ReplicaStats("relay", self.worker.num_running, e.pool.num_free, e.pool.num_blocks,
-                            extra={"tokens_generated": self.tokens_generated})
+                            extra={"tokens_generated": self.tokens_generated, **self.where})

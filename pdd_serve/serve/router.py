@@ -113,6 +113,12 @@ class Router:
     async def chat_completions(self, request: Request) -> Response:
         return await self._handle(request, "chat")
 
+    def stats(self) -> dict:
+        from pdd_serve.serve.common import placement
+
+        return {"role": "router", "in_flight": self.in_flight, "relay_running": self.orch.relay_running,
+                **placement()}
+
     # ------------------------------------------------------------ request handling
 
     async def _handle(self, request: Request, kind: str) -> Response:
@@ -125,6 +131,10 @@ class Router:
             raw = await request.body()
             creq = oai.parse_request(raw, kind, self.cfg.server, self.tokenizer, self.max_model_len,
                                      self.cfg.policy.allow_overrides)
+            forced = (creq.pdd_override or {}).get("pipeline")
+            if forced is not None and forced not in self.cfg.policy.pipelines:
+                raise oai.APIError(400, "invalid_request_error", f"pipeline {forced} is not enabled in this graph "
+                                   f"(policy.pipelines: {list(self.cfg.policy.pipelines)})", param="pdd.pipeline")
             params = SamplingParams(creq.max_tokens, creq.temperature, creq.top_p, creq.top_k, creq.seed,
                                     creq.stop_token_ids, creq.ignore_eos)
         except oai.APIError as e:
@@ -136,8 +146,8 @@ class Router:
             return StreamingResponse(self._stream(creq, st, rid), media_type="text/event-stream")
         return await self._complete(creq, st, rid)
 
-    async def _tokens(self, creq: oai.CompletionRequest, st: RequestState) -> AsyncIterator[tuple[str, bool]]:
-        """(text delta, stopped) per token, string stops applied; bookkeeping for metrics."""
+    async def _tokens(self, creq: oai.CompletionRequest, st: RequestState) -> AsyncIterator[tuple[str, int | None]]:
+        """(text delta, token id) per token (id None for the final flush), string stops applied."""
         detok = oai.IncrementalDetokenizer(self.tokenizer, creq.prompt_token_ids, creq.stop)
         gen = self.orch.run(st, creq.pdd_override)
         self.in_flight += 1
@@ -154,10 +164,10 @@ class Router:
                     delta = detok.push(t)
                     if detok.stopped:
                         st.finish_reason = "stop"
-                        yield delta, True
+                        yield delta, t
                         return
-                    yield delta, False
-            yield detok.flush(), True
+                    yield delta, t
+            yield detok.flush(), None
         finally:
             self.in_flight -= 1
             await gen.aclose()
@@ -165,9 +175,12 @@ class Router:
 
     async def _complete(self, creq: oai.CompletionRequest, st: RequestState, rid: str) -> Response:
         parts: list[str] = []
+        ids: list[int] = []
         try:
-            async for delta, _ in self._tokens(creq, st):
+            async for delta, tok in self._tokens(creq, st):
                 parts.append(delta)
+                if tok is not None:
+                    ids.append(tok)
         except Exception as e:
             logger.exception("request %s failed", st.gen.request_id)
             err = oai.APIError(500, "server_error", f"generation failed: {type(e).__name__}: {e}")
@@ -175,17 +188,28 @@ class Router:
         body = oai.completion_response(rid, self.created, creq.model, creq.kind, "".join(parts),
                                        st.finish_reason or "stop", len(creq.prompt_token_ids), len(st.committed),
                                        extra={"pdd": st.info.as_dict()})
+        if creq.return_token_ids:
+            body["choices"][0]["token_ids"] = ids
         return JSONResponse(body)
 
     async def _stream(self, creq: oai.CompletionRequest, st: RequestState, rid: str) -> AsyncIterator[bytes]:
         first = True
+        pending: list[int] = []  # token ids whose text the detokenizer still holds back
         try:
-            async for delta, _ in self._tokens(creq, st):
+            async for delta, tok in self._tokens(creq, st):
+                if tok is not None:
+                    pending.append(tok)
                 if delta or first:
-                    yield oai.sse(oai.completion_chunk(rid, self.created, creq.model, creq.kind, delta, None, first=first))
+                    chunk = oai.completion_chunk(rid, self.created, creq.model, creq.kind, delta, None, first=first)
+                    if creq.return_token_ids:
+                        chunk["choices"][0]["token_ids"], pending = pending, []
+                    yield oai.sse(chunk)
                     first = False
-            yield oai.sse(oai.completion_chunk(rid, self.created, creq.model, creq.kind, "", st.finish_reason or "stop",
-                                               extra={"pdd": st.info.as_dict()}, first=first))
+            last = oai.completion_chunk(rid, self.created, creq.model, creq.kind, "", st.finish_reason or "stop",
+                                        extra={"pdd": st.info.as_dict()}, first=first)
+            if creq.return_token_ids:
+                last["choices"][0]["token_ids"] = pending
+            yield oai.sse(last)
             if creq.include_usage:
                 yield oai.sse(oai.usage_chunk(rid, self.created, creq.model, creq.kind, len(creq.prompt_token_ids),
                                               len(st.committed)))

@@ -1,0 +1,310 @@
+"""LinkModel: the inter-site link (bandwidth, one-way latency, jitter), real and simulated.
+
+One object serves two worlds (DESIGN.md): the Flight client calls `pace_sync(nbytes)` /
+`await pace(nbytes)` before each batch so a loopback stream behaves like the WAN, and the
+simulator calls the pure `transfer_time(nbytes, at)` for the same link.
+
+The model, in *arrival* time: the first byte of a burst arrives `latency(at)` after it is sent;
+bytes then arrive at `bandwidth_bps * factor(t)`. Conditions change per `epoch_s` epoch:
+- constant:  factor 1, no extra delay.
+- lognormal: factor `exp(-sigma * z_k)`, z_k ~ N(0,1) drawn in epoch order from `seed`, so the
+             time to move a byte is lognormal with median 1 (and deterministic per seed).
+- trace:     one number per epoch (cycled) from a CSV (last column) or one-number-per-line file,
+             either `extra delay seconds` (trace_kind="delay") or `throughput factor`
+             (trace_kind="throughput").
+- stalls:    scripted (at_s, duration_s) windows in which nothing moves (factor 0).
+Bandwidths are bits per second of KV payload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+REFERENCE_KV_BYTES_PER_TOKEN = 50_000  # PDD.md: a flagship 1T model has ~50 KB of KV per token
+JITTERS = ("constant", "lognormal", "trace", "stalls")
+
+
+@dataclass(frozen=True)
+class LinkConfig:
+    """A link's parameters. `bandwidth_bps=None` means unpaced (same datacenter)."""
+
+    bandwidth_bps: float | None = None  # bits/s
+    one_way_latency_s: float = 0.0
+    jitter: str = "constant"  # constant | lognormal | trace | stalls  ("trace:PATH" is shorthand)
+    sigma: float = 0.0  # lognormal
+    seed: int = 0  # lognormal
+    trace_path: str | None = None  # trace: a file ...
+    trace: tuple[float, ...] = ()  # ... or the values inline
+    trace_kind: str = "delay"  # delay (extra seconds) | throughput (bandwidth factor)
+    stalls: tuple[tuple[float, float], ...] = ()  # (at_s, duration_s), link clock
+    epoch_s: float = 1.0  # conditions are constant within an epoch
+    burst_gap_s: float = 0.005  # a sender idle longer than this starts a new burst (pays latency again)
+
+    def __post_init__(self) -> None:
+        if self.jitter.startswith("trace:"):  # config.py's `jitter: trace:PATH` form
+            object.__setattr__(self, "trace_path", self.jitter[len("trace:"):])
+            object.__setattr__(self, "jitter", "trace")
+        object.__setattr__(self, "stalls", tuple((float(a), float(d)) for a, d in self.stalls))
+        object.__setattr__(self, "trace", tuple(float(v) for v in self.trace))
+        if self.bandwidth_bps is not None and not (self.bandwidth_bps > 0 and math.isfinite(self.bandwidth_bps)):
+            raise ValueError(f"link bandwidth_bps must be > 0 and finite (or None), got {self.bandwidth_bps}")
+        if not (self.one_way_latency_s >= 0 and math.isfinite(self.one_way_latency_s)):
+            raise ValueError(f"link one_way_latency_s must be >= 0, got {self.one_way_latency_s}")
+        if self.jitter not in JITTERS:
+            raise ValueError(f"link jitter must be one of {JITTERS} or trace:PATH, got {self.jitter!r}")
+        if not (self.sigma >= 0 and math.isfinite(self.sigma)):
+            raise ValueError(f"link sigma must be >= 0, got {self.sigma}")
+        if self.jitter == "lognormal" and self.sigma == 0:
+            raise ValueError("lognormal jitter needs sigma > 0")
+        if not (self.epoch_s > 0 and math.isfinite(self.epoch_s)):
+            raise ValueError(f"link epoch_s must be > 0, got {self.epoch_s}")
+        if self.burst_gap_s < 0:
+            raise ValueError(f"link burst_gap_s must be >= 0, got {self.burst_gap_s}")
+        if self.trace_kind not in ("delay", "throughput"):
+            raise ValueError(f"link trace_kind must be delay|throughput, got {self.trace_kind!r}")
+        if self.jitter == "trace" and not (self.trace or self.trace_path):
+            raise ValueError("trace jitter needs trace_path or trace values")
+        if any(not (v >= 0 and math.isfinite(v)) for v in self.trace):
+            raise ValueError("link trace values must be finite and >= 0")
+        if self.jitter == "stalls" and not self.stalls:
+            raise ValueError("stalls jitter needs at least one (at_s, duration_s)")
+        for a, d in self.stalls:
+            if not (a >= 0 and d > 0 and math.isfinite(a) and math.isfinite(d)):
+                raise ValueError(f"a stall needs at_s >= 0 and duration_s > 0, got ({a}, {d})")
+
+    @property
+    def paced(self) -> bool:
+        return self.bandwidth_bps is not None or self.one_way_latency_s > 0 or self.jitter != "constant"
+
+
+def load_trace(path: str | Path) -> tuple[float, ...]:
+    """Numbers from a CSV (last column; a non-numeric header row is skipped) or one per line."""
+    vals: list[float] = []
+    for i, line in enumerate(Path(path).read_text().splitlines()):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        cell = line.split(",")[-1].strip()
+        try:
+            vals.append(float(cell))
+        except ValueError:
+            if i == 0 and not vals:
+                continue  # header
+            raise ValueError(f"{path}:{i + 1}: not a number: {cell!r}") from None
+    if not vals:
+        raise ValueError(f"trace {path} holds no numbers")
+    return tuple(vals)
+
+
+# Calibrations of the presets (bits/s, one-way s, jitter). Not measurements: PDD.md gives only the
+# 10-100 Gbps Ethernet and the 1-20 s fluctuating transfers; these are our stand-ins.
+_PRESETS: dict[str, LinkConfig] = {
+    "same_dc": LinkConfig(),
+    "wan_10g": LinkConfig(10e9, 0.010, "lognormal", sigma=0.25),
+    "wan_100g": LinkConfig(100e9, 0.010, "lognormal", sigma=0.25),
+    "pdd_report": LinkConfig(4e9, 0.050, "lognormal", sigma=1.0, epoch_s=5.0),
+}
+
+
+class LinkModel:
+    """Paces real streams and answers transfer times for the simulator (see module docstring).
+
+    `LinkModel(cfg)` or `LinkModel(bandwidth_bps=..., one_way_latency_s=..., jitter=..., ...)`.
+    Thread-safe; one token bucket per object (parallel streams sharing it share the bandwidth).
+    """
+
+    def __init__(self, config: LinkConfig | None = None, *, clock: Callable[[], float] = time.monotonic,
+                 **fields: object) -> None:
+        if config is not None and fields:
+            raise TypeError("pass a LinkConfig or its fields, not both")
+        self.config = config if config is not None else LinkConfig(**fields)  # type: ignore[arg-type]
+        c = self.config
+        self._trace = c.trace or (load_trace(c.trace_path) if c.jitter == "trace" and c.trace_path else ())
+        if c.jitter == "trace" and c.trace_kind == "throughput" and not any(v > 0 for v in self._trace):
+            raise ValueError("a throughput trace needs at least one factor > 0 (else nothing ever moves)")
+        self._rng = np.random.default_rng(c.seed)
+        self._factors: list[float] = []  # lognormal factors, drawn in epoch order: pure per seed
+        self._clock = clock
+        self._origin = clock()
+        self._tat: float | None = None  # arrival time of the last paced byte (link clock)
+        self._lock = threading.Lock()  # the pacer's state
+        self._factors_lock = threading.Lock()  # the lazily drawn jitter (also read by transfer_time)
+
+    # ------------------------------------------------------------ presets
+
+    @classmethod
+    def preset(cls, name: str, kv_bytes_per_token: int | None = None, **overrides: object) -> LinkModel:
+        """A named link: same_dc (unpaced), wan_10g, wan_100g, pdd_report.
+
+        `pdd_report` stands in for PDD.md's cross-DC line whose KV transfers fluctuate 1-20 s:
+        4 Gbps effective per transfer (one request's share of a 10 Gbps-class line), 50 ms
+        one-way, lognormal sigma 1.0 per 5 s epoch. For the report's 50 KB/token flagship that
+        gives (p50 / p90 / p99 over start times): a 6.4K-token delta (64K prompt, 90% hit)
+        0.64 / 1.9 / 4.0 s; a 20K-token delta 1.8 / 4.8 / 8.0 s; a cold 64K prompt (3.3 GB)
+        5.4 / 10.8 / 16.4 s: the small-median, long-tail shape of the report.
+
+        Scaling: with `kv_bytes_per_token`, the bandwidth is multiplied by
+        `kv_bytes_per_token / 50_000` (the report's 50 KB/token), so a request of N tokens takes
+        as long on this model as N tokens of the flagship over the named line: the *time* for a
+        token count is kept, not the byte rate. E.g. the default test model (4 layers x 2 KV heads
+        x 32 dims x fp32 = 2048 B/token) gets pdd_report's 4 Gbps x 2048/50000 = 164 Mbps. Latency and jitter
+        are unchanged. `None` keeps the line's raw bandwidth. same_dc ignores it.
+        """
+        if name not in _PRESETS:
+            raise ValueError(f"unknown link preset {name!r}; one of {sorted(_PRESETS)}")
+        cfg = _PRESETS[name]
+        if kv_bytes_per_token is not None:
+            if kv_bytes_per_token <= 0:
+                raise ValueError(f"kv_bytes_per_token must be > 0, got {kv_bytes_per_token}")
+            if cfg.bandwidth_bps is not None:
+                cfg = replace(cfg, bandwidth_bps=cfg.bandwidth_bps * kv_bytes_per_token / REFERENCE_KV_BYTES_PER_TOKEN)
+        return cls(replace(cfg, **overrides) if overrides else cfg)
+
+    # ------------------------------------------------------------ the pure model
+
+    @property
+    def bandwidth_bps(self) -> float | None:
+        return self.config.bandwidth_bps
+
+    def _lognormal(self, k: int) -> float:
+        with self._factors_lock:
+            while len(self._factors) <= k:
+                self._factors.extend(np.exp(-self.config.sigma * self._rng.standard_normal(64)).tolist())
+            return self._factors[k]
+
+    def _factor_at(self, t: float) -> tuple[float, float]:
+        """(throughput factor at link time t, time until which it holds)."""
+        c = self.config
+        k = int(t // c.epoch_s)
+        end = (k + 1) * c.epoch_s
+        if c.jitter == "lognormal":
+            f = self._lognormal(k)
+        elif c.jitter == "trace" and c.trace_kind == "throughput":
+            f = self._trace[k % len(self._trace)]
+        else:
+            f = 1.0
+        for a, d in c.stalls:
+            if a <= t < a + d:
+                return 0.0, a + d
+            if t < a < end:
+                end = a
+        return f, end
+
+    def latency_at(self, t: float) -> float:
+        """One-way delay of a burst starting at link time t (base + trace extra delay)."""
+        c = self.config
+        extra = 0.0
+        if c.jitter == "trace" and c.trace_kind == "delay":
+            extra = self._trace[int(t // c.epoch_s) % len(self._trace)]
+        return c.one_way_latency_s + extra
+
+    def _arrival_end(self, t: float, nbytes: int) -> float:
+        """Link time at which the last of `nbytes` arrives, the first arriving at t."""
+        bw = self.config.bandwidth_bps
+        if bw is None or nbytes <= 0:
+            return t
+        bits = nbytes * 8.0
+        c = self.config
+        if c.jitter == "constant" and not c.stalls:
+            return t + bits / bw
+        while True:
+            f, end = self._factor_at(t)
+            if f > 0:
+                cap = (end - t) * bw * f
+                if cap >= bits:
+                    return t + bits / (bw * f)
+                bits -= cap
+            t = end
+
+    def transfer_time(self, nbytes: int, at: float = 0.0) -> float:
+        """Seconds from sending `nbytes` at link time `at` (idle link) until the last byte arrives.
+
+        Pure: the same arguments give the same answer (seeded jitter included), any thread, any
+        order, so the simulator and the real pacer agree.
+        """
+        if at < 0:
+            raise ValueError(f"link time must be >= 0, got {at}")
+        return self._arrival_end(at + self.latency_at(at), nbytes) - at
+
+    # ------------------------------------------------------------ pacing real streams
+
+    def now(self) -> float:
+        """Link time: seconds since this object was made (or `reset`)."""
+        return self._clock() - self._origin
+
+    def reset(self) -> None:
+        with self._lock:
+            self._origin = self._clock()
+            self._tat = None
+
+    def _reserve(self, nbytes: int) -> float:
+        """Book `nbytes` on the link; seconds the sender must wait so they 'arrive' on time."""
+        if not self.config.paced:
+            return 0.0
+        now = self.now()
+        with self._lock:
+            # a backlogged sender chains on the last arrival (its sleep overshoot doesn't leak into
+            # the rate); one idle for longer than burst_gap_s pays the propagation delay again
+            if self._tat is None or now > self._tat + self.config.burst_gap_s:
+                self._tat = now + self.latency_at(now)
+            self._tat = self._arrival_end(self._tat, nbytes)
+            return self._tat - now
+
+    def pace_sync(self, nbytes: int) -> float:
+        """Block until `nbytes` may go; returns the seconds waited."""
+        wait = self._reserve(nbytes)
+        if wait > 0:
+            time.sleep(wait)
+        return max(wait, 0.0)
+
+    async def pace(self, nbytes: int) -> float:
+        wait = self._reserve(nbytes)
+        if wait > 0:
+            await asyncio.sleep(wait)
+        return max(wait, 0.0)
+
+
+class BandwidthEstimator:
+    """EWMA of observed throughput (bits/s), fed by transfers and read by the router. Thread-safe."""
+
+    def __init__(self, alpha: float = 0.2, initial_bps: float | None = None, min_seconds: float = 1e-4) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        if initial_bps is not None and initial_bps <= 0:
+            raise ValueError(f"initial_bps must be > 0, got {initial_bps}")
+        self.alpha = alpha
+        self.min_seconds = min_seconds  # shorter samples say more about timers than about the link
+        self._bps = initial_bps
+        self._samples = 0
+        self._lock = threading.Lock()
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        if nbytes <= 0 or not math.isfinite(seconds):
+            return
+        sample = nbytes * 8.0 / max(seconds, self.min_seconds)
+        with self._lock:
+            self._bps = sample if self._bps is None else self.alpha * sample + (1 - self.alpha) * self._bps
+            self._samples += 1
+
+    @property
+    def bps(self) -> float | None:
+        """Current estimate in bits/s; None before the first observation (and no initial value)."""
+        with self._lock:
+            return self._bps
+
+    @property
+    def samples(self) -> int:
+        with self._lock:
+            return self._samples
+
+    def estimate_time(self, nbytes: int, default_bps: float | None = None) -> float | None:
+        bps = self.bps or default_bps
+        return None if not bps else nbytes * 8.0 / bps

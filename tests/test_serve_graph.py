@@ -1,0 +1,241 @@
+"""The PDD graph end to end on the local two-site cluster: `serve run` of the graph YAMLs, then the
+OpenAI API over real Router/Prefill/Relay/MainDecode replicas, Flight across sites and the object
+store inside site a. One deployment for the whole module (two applications: the dev graph with
+overrides on, and the production graph with them off)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from pdd_serve.engine.engine import Engine
+from pdd_serve.models import default_model_path
+
+pytestmark = pytest.mark.cluster
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def graph(ray_two_sites, tmp_path_factory):
+    """Deploy graphs/pdd_dev.yaml at / and graphs/pdd.yaml at /prod with `serve run --non-blocking`."""
+    port = _free_port()
+    dev = yaml.safe_load((ROOT / "graphs/pdd_dev.yaml").read_text())
+    prod = yaml.safe_load((ROOT / "graphs/pdd.yaml").read_text())
+    app_prod = prod["applications"][0]
+    app_prod.update(name="pdd_prod", route_prefix="/prod")
+    app_prod["args"]["sites"]["relay_replicas"] = 1
+    doc = {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": port},
+           "applications": [dev["applications"][0], app_prod]}
+    path = tmp_path_factory.mktemp("graph") / "graphs.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    serve_exe = str(Path(sys.executable).with_name("serve"))
+    proc = subprocess.run([serve_exe, "run", str(path), "--non-blocking"], env=dict(os.environ),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        try:
+            if all(httpx.get(f"{url}{p}/health", timeout=5).status_code == 200 for p in ("", "/prod")):
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    else:
+        pytest.fail("the graph did not become healthy")
+    yield url
+    from ray import serve
+
+    serve.delete("pdd")
+    serve.delete("pdd_prod")
+
+
+@pytest.fixture(scope="module")
+def ref_engine():
+    return Engine.from_pretrained(default_model_path())
+
+
+def _cold_prompt(seed: int, n: int = 1200) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 2000) for _ in range(n)]
+
+
+def _complete(url: str, prompt, max_tokens: int, pdd: dict | None = None, **kw) -> dict:
+    body = {"model": "pdd-small", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "return_token_ids": True, **kw}
+    if pdd:
+        body["pdd"] = pdd
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _handle(name: str, app: str = "pdd"):
+    from ray import serve
+
+    return serve.get_deployment_handle(name, app)
+
+
+def test_every_replica_runs_on_its_site(graph):
+    expect = {"Router": "a", "Prefill": "a", "Relay": "a", "MainDecode0": "b", "MainDecode1": "b"}
+    for app in ("pdd", "pdd_prod"):
+        for name, site in expect.items():
+            if app == "pdd_prod" and name == "MainDecode1":
+                continue
+            st = _handle(name, app).stats.remote().result(timeout_s=60)
+            where = st if isinstance(st, dict) else st.extra
+            assert where["site"] == site, (app, name, where)
+
+
+@pytest.mark.parametrize("pdd, seed", [
+    ({"pipeline": "P-MD"}, 1),
+    ({"pipeline": "P-RLD-MD", "handoff_mode": "one-shot"}, 2),
+    ({"pipeline": "P-RLD-MD", "handoff_mode": "catch-up"}, 3),
+    ({"pipeline": "P-RLD"}, 4),
+])
+def test_greedy_output_is_token_identical_on_every_path(graph, ref_engine, pdd, seed):
+    prompt = _cold_prompt(seed)
+    n = 160
+    out = _complete(graph, prompt, n, pdd, ignore_eos=True)
+    info = out["pdd"]
+    assert out["choices"][0]["token_ids"] == ref_engine.generate(prompt, n, stop_token_ids=None)[:n] or \
+        out["choices"][0]["token_ids"] == _ref_ignore_eos(ref_engine, prompt, n)
+    assert info["pipeline"] == pdd["pipeline"]
+    if pdd["pipeline"] == "P-RLD-MD":
+        # the 2.4 MB prompt KV needs >1 s over the 16 Mbit/s link: RLD streams eager tokens meanwhile
+        assert info["eager_tokens"] > 0 and info["md_tokens"] > 0, info
+        assert info["handoff_mode"] == pdd["handoff_mode"]
+        assert info["handoff_batches"] >= (2 if pdd["handoff_mode"] == "catch-up" else 1), info
+        assert info["kv_ready_s"] is not None and info["wan_bytes"] > 2_000_000
+    if pdd["pipeline"] == "P-RLD":
+        assert info["wan_bytes"] == 0 and info["md_tokens"] == 0
+
+
+def _ref_ignore_eos(engine: Engine, prompt: list[int], n: int) -> list[int]:
+    from pdd_serve.engine.sampling import SamplingParams
+
+    return engine.generate_batch([prompt], SamplingParams(n, ignore_eos=True))[0]
+
+
+def test_policy_routes_cold_to_relay_and_next_turn_to_md_with_affinity(graph, ref_engine):
+    turn1 = _cold_prompt(50, 1000)
+    a = _complete(graph, turn1, 40)
+    assert a["pdd"]["pipeline"] == "P-RLD-MD", a["pdd"]
+    turn2 = turn1 + a["choices"][0]["token_ids"] + _cold_prompt(51, 30)
+    time.sleep(1.0)  # the previous turn's KV settles in MD's DRC
+    b = _complete(graph, turn2, 40)
+    assert b["pdd"]["pipeline"] == "P-MD", b["pdd"]
+    assert b["pdd"]["md_replica"] == a["pdd"]["md_replica"]
+    assert b["pdd"]["prefix_hit_md"] > 0.9 and b["pdd"]["wan_bytes"] < 200_000
+    assert b["choices"][0]["token_ids"] == ref_engine.generate(turn2, 40)
+
+
+def test_official_openai_client_streams(graph):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{graph}/v1", api_key="unused")
+    prompt = "The relay decodes while the KV crawls across the WAN"
+    full = client.completions.create(model="pdd-small", prompt=prompt, max_tokens=24, temperature=0)
+    chunks = list(client.completions.create(model="pdd-small", prompt=prompt, max_tokens=24, temperature=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert chunks[-1].model_extra["pdd"]["pipeline"] in ("P-MD", "P-RLD-MD")
+    chat = client.chat.completions.create(model="pdd-small", messages=[{"role": "user", "content": prompt}],
+                                          max_tokens=16, temperature=0, stream=True)
+    parts = [c.choices[0].delta.content or "" for c in chat if c.choices]
+    assert "".join(parts)
+    assert [m.id for m in client.models.list().data] == ["pdd-small"]
+
+
+def test_concurrent_streams_over_mixed_pipelines_lose_no_token(graph, ref_engine):
+    paths = [{"pipeline": "P-MD"}, {"pipeline": "P-RLD-MD", "handoff_mode": "one-shot"},
+             {"pipeline": "P-RLD-MD", "handoff_mode": "catch-up"}, {"pipeline": "P-RLD"}, None]
+    jobs = [(_cold_prompt(100 + i, 300 + 150 * (i % 4)), 40 + 10 * (i % 3), paths[i % len(paths)]) for i in range(8)]
+
+    async def one(client: httpx.AsyncClient, prompt, n, pdd) -> tuple[list[int], dict]:
+        body = {"model": "pdd-small", "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
+                "return_token_ids": True, "ignore_eos": True}
+        if pdd:
+            body["pdd"] = pdd
+        ids: list[int] = []
+        info: dict = {}
+        async with client.stream("POST", f"{graph}/v1/completions", json=body, timeout=300) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    obj = json.loads(line[6:])
+                    ids += obj["choices"][0].get("token_ids", []) if obj.get("choices") else []
+                    info = obj.get("pdd", info)
+        return ids, info
+
+    async def main():
+        async with httpx.AsyncClient() as client:
+            return await asyncio.gather(*(one(client, p, n, d) for p, n, d in jobs))
+
+    results = asyncio.run(main())
+    pipelines = set()
+    for (prompt, n, _), (ids, info) in zip(jobs, results):
+        assert ids == _ref_ignore_eos(ref_engine, prompt, n), info
+        pipelines.add(info["pipeline"])
+    assert {"P-MD", "P-RLD-MD", "P-RLD"} <= pipelines
+
+
+def test_cancelled_stream_frees_relay_and_md(graph):
+    body = {"model": "pdd-small", "prompt": _cold_prompt(7, 1500), "max_tokens": 1500, "temperature": 0,
+            "stream": True, "ignore_eos": True, "pdd": {"pipeline": "P-RLD-MD"}}
+    with httpx.stream("POST", f"{graph}/v1/completions", json=body, timeout=60) as r:
+        n = 0
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                n += 1
+                if n == 5:
+                    break
+    relay, mds = _handle("Relay"), [_handle("MainDecode0"), _handle("MainDecode1")]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        r_st = relay.stats.remote().result(timeout_s=30)
+        m_st = [m.stats.remote().result(timeout_s=30) for m in mds]
+        if r_st.running == 0 and all(s.running == 0 for s in m_st):
+            break
+        time.sleep(0.5)
+    assert r_st.running == 0 and r_st.free_blocks == r_st.total_blocks
+    for s in m_st:
+        assert s.running == 0 and s.free_blocks + s.cached_blocks == s.total_blocks
+        assert s.extra["flight_bytes_reserved"] == 0
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("", b"{not json", 400, None),
+    ("", {"model": "pdd-small"}, 400, "prompt"),
+    ("", {"model": "pdd-small", "prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("", {"model": "pdd-small", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("", {"model": "pdd-small", "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("", {"model": "pdd-small", "prompt": list(range(3, 4000)), "max_tokens": 200}, 400, "max_tokens"),
+    ("", {"model": "gpt-9", "prompt": "hi"}, 404, "model"),
+    ("/prod", {"model": "pdd-small", "prompt": "hi", "pdd": {"pipeline": "P-RLD"}}, 403, None),
+])
+def test_bad_http_input_gets_openai_errors(graph, path, body, status, param):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(f"{graph}{path}/v1/completions", headers={"content-type": "application/json"}, timeout=60, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    if param:
+        assert err["param"] == param
