@@ -112,11 +112,10 @@ def test_every_replica_runs_on_its_site(graph):
 ])
 def test_greedy_output_is_token_identical_on_every_path(graph, ref_engine, pdd, seed):
     prompt = _cold_prompt(seed)
-    n = 160
+    n = 400  # long enough that RLD is still decoding when the KV lands at MD
     out = _complete(graph, prompt, n, pdd, ignore_eos=True)
     info = out["pdd"]
-    assert out["choices"][0]["token_ids"] == ref_engine.generate(prompt, n, stop_token_ids=None)[:n] or \
-        out["choices"][0]["token_ids"] == _ref_ignore_eos(ref_engine, prompt, n)
+    assert out["choices"][0]["token_ids"] == _ref_ignore_eos(ref_engine, prompt, n)
     assert info["pipeline"] == pdd["pipeline"]
     if pdd["pipeline"] == "P-RLD-MD":
         # the 2.4 MB prompt KV needs >1 s over the 16 Mbit/s link: RLD streams eager tokens meanwhile
@@ -208,11 +207,15 @@ def test_cancelled_stream_frees_relay_and_md(graph):
                 if n == 5:
                     break
     relay, mds = _handle("Relay"), [_handle("MainDecode0"), _handle("MainDecode1")]
+    def freed(r_st, m_st) -> bool:
+        return (r_st.running == 0 and r_st.free_blocks == r_st.total_blocks
+                and all(s.running == 0 and s.free_blocks + s.cached_blocks == s.total_blocks for s in m_st))
+
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         r_st = relay.stats.remote().result(timeout_s=30)
         m_st = [m.stats.remote().result(timeout_s=30) for m in mds]
-        if r_st.running == 0 and all(s.running == 0 for s in m_st):
+        if freed(r_st, m_st):
             break
         time.sleep(0.5)
     assert r_st.running == 0 and r_st.free_blocks == r_st.total_blocks
@@ -227,7 +230,8 @@ def test_cancelled_stream_frees_relay_and_md(graph):
     ("", {"model": "pdd-small", "prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
     ("", {"model": "pdd-small", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("", {"model": "pdd-small", "prompt": "hi", "temperature": -1}, 400, "temperature"),
-    ("", {"model": "pdd-small", "prompt": list(range(3, 4000)), "max_tokens": 200}, 400, "max_tokens"),
+    ("", {"model": "pdd-small", "prompt": [5] * 3990, "max_tokens": 200}, 400, "max_tokens"),
+    ("", {"model": "pdd-small", "prompt": [5, 99999]}, 400, "prompt"),
     ("", {"model": "gpt-9", "prompt": "hi"}, 404, "model"),
     ("/prod", {"model": "pdd-small", "prompt": "hi", "pdd": {"pipeline": "P-RLD"}}, 403, None),
 ])

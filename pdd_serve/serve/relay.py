@@ -24,12 +24,14 @@ class Relay:
         self.worker = EngineWorker(self.engine, cfg.model.max_batch)
         self.where = placement()
         self.tokens_generated = 0
+        self.live: set[str] = set()  # requests holding KV here
 
     async def generate(self, rreq: RelayRequest) -> AsyncIterator[TokenChunk]:
         from pdd_serve.transport.object_store import get_kv
 
         req = rreq.req
         seq = self.engine.add(req.request_id, list(req.prompt_token_ids), req.params)
+        self.live.add(req.request_id)
         try:
             # a local object store read (zero-copy); off the event loop so other streams keep flowing
             blocks = await asyncio.to_thread(get_kv, rreq.kv_ref, self.cfg.policy.kv_wait_timeout_s,
@@ -42,8 +44,9 @@ class Relay:
                 yield TokenChunk(step.token_ids, step.finish_reason)
         finally:
             await self.worker.release(seq, cache=False)
+            self.live.discard(req.request_id)
 
     def stats(self) -> ReplicaStats:
         e = self.engine
-        return ReplicaStats("relay", self.worker.num_running, e.pool.num_free, e.pool.num_blocks,
+        return ReplicaStats("relay", len(self.live), e.pool.num_free, e.pool.num_blocks,
                             extra={"tokens_generated": self.tokens_generated, **self.where})
