@@ -1,19 +1,33 @@
-"""Asynchronous OpenAI-API load generator: streams every request, measures TTFT/TPOT on the client.
+"""Asynchronous OpenAI-API load generator: open-loop sessions, streamed token-id requests, client-side
+latencies, SLA goodput.
 
-Sessions run concurrently (open loop on their start times); a session's turns run in order, each
-turn's context being the previous context plus the answer plus the next turn's text.
+Sessions start open loop on their `start_s`; a session's turns run in order (each prompt is the
+context kept from the earlier turns, plus the turn's tokens, where the context includes the model's
+answers). Every request is greedy, streamed, with `return_token_ids` (so outputs can be compared
+across graphs by token ids) and `ignore_eos` by default (so output lengths are what the workload
+planned).
+
+Latencies, per request, measured at the client:
+- `ttft_s`: time to the first token (what an OpenAI client sees first).
+- `tt2t_s`: time to the second token. The router streams Prefill's first token at once in every
+  graph, so a KV transfer the decoder waits for shows up here, not in `ttft_s`; it is the closest
+  client-side reading of "TTFT" in systems whose decoder emits the first token (the PDD report's).
+- `tpot_s`: (last token - first token) / (tokens - 1), stalls included (vLLM's definition); `itl_max_s`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import statistics
 import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from evaluations.workloads import Session
+from evaluations.workloads import Session, Turn, Workload
 
 
 @dataclass
@@ -21,17 +35,30 @@ class RequestRecord:
     session_id: str
     turn: int
     kind: str
-    prompt_chars: int
+    prompt_tokens: int = 0
+    planned_hit: float | None = None
+    max_tokens: int = 0
+    t_send_s: float | None = None  # offset from the run's start
     status: int = 0
     error: str = ""
+    token_ids: list[int] = field(default_factory=list)
     text: str = ""
     ttft_s: float | None = None
-    e2e_s: float | None = None
+    tt2t_s: float | None = None
     tpot_s: float | None = None
+    itl_max_s: float | None = None
+    e2e_s: float | None = None
     output_tokens: int = 0
-    prompt_tokens: int = 0
     finish_reason: str | None = None
     pdd: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.session_id, self.turn
+
+    @property
+    def t_done_s(self) -> float | None:
+        return None if self.t_send_s is None or self.e2e_s is None else self.t_send_s + self.e2e_s
 
     def as_row(self) -> dict[str, Any]:
         row = asdict(self)
@@ -40,39 +67,68 @@ class RequestRecord:
         return row
 
 
-async def stream_completion(client: Any, base_url: str, model: str, prompt: str, max_tokens: int,
-                            rec: RequestRecord, timeout_s: float = 300.0, api_key: str | None = None) -> None:
-    """One streaming /v1/completions call (greedy), filling `rec`."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+@dataclass(frozen=True)
+class SLA:
+    """A request meets the SLA when its TTFT and its TPOT are within these targets."""
+
+    ttft_s: float = 1.0
+    tpot_s: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not (self.ttft_s > 0 and self.tpot_s > 0):
+            raise ValueError(f"SLA targets must be > 0, got ttft_s={self.ttft_s}, tpot_s={self.tpot_s}")
+
+    def meets(self, r: RequestRecord) -> bool:
+        if r.error or r.ttft_s is None or r.ttft_s > self.ttft_s:
+            return False
+        return r.tpot_s is None or r.tpot_s <= self.tpot_s  # one-token answers have no TPOT
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    model: str = "pdd-small"
+    timeout_s: float = 300.0
+    ignore_eos: bool = True
+    api_key: str | None = None
+    max_connections: int = 256
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0 or self.max_connections <= 0:
+            raise ValueError("LoadConfig needs timeout_s > 0 and max_connections > 0")
+
+
+async def stream_completion(client: Any, base_url: str, prompt: Sequence[int], turn: Turn, rec: RequestRecord,
+                            cfg: LoadConfig = LoadConfig()) -> None:
+    """One streaming greedy /v1/completions call over token ids, filling `rec`."""
+    body: dict[str, Any] = {"model": cfg.model, "prompt": list(prompt), "max_tokens": turn.max_tokens,
+                            "temperature": 0.0, "stream": True, "return_token_ids": True,
+                            "stream_options": {"include_usage": True}}
+    if cfg.ignore_eos:
+        body["ignore_eos"] = True
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     t0 = time.monotonic()
-    t_last = None
+    stamps: list[float] = []  # arrival time of each token
     parts: list[str] = []
     try:
         async with client.stream("POST", f"{base_url}/v1/completions", json=body, headers=headers,
-                                 timeout=timeout_s) as r:
+                                 timeout=cfg.timeout_s) as r:
             rec.status = r.status_code
             if r.status_code != 200:
-                rec.error = (await r.aread()).decode(errors="replace")[:300]
+                rec.error = f"HTTP {r.status_code}: " + (await r.aread()).decode(errors="replace")[:300]
                 return
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
+                now = time.monotonic()
                 obj = json.loads(line[6:])
                 if "error" in obj:
                     rec.error = obj["error"].get("message", "stream error")
                     continue
-                if obj.get("usage"):
-                    rec.output_tokens = obj["usage"]["completion_tokens"]
-                    rec.prompt_tokens = obj["usage"]["prompt_tokens"]
                 for ch in obj.get("choices", []):
-                    if ch.get("text"):
-                        now = time.monotonic()
-                        if rec.ttft_s is None:
-                            rec.ttft_s = now - t0
-                        t_last = now
-                        parts.append(ch["text"])
+                    ids = ch.get("token_ids") or []
+                    rec.token_ids.extend(ids)
+                    stamps.extend([now] * len(ids))
+                    parts.append(ch.get("text") or "")
                     if ch.get("finish_reason"):
                         rec.finish_reason = ch["finish_reason"]
                 if "pdd" in obj:
@@ -82,40 +138,85 @@ async def stream_completion(client: Any, base_url: str, model: str, prompt: str,
         return
     rec.e2e_s = time.monotonic() - t0
     rec.text = "".join(parts)
-    if rec.ttft_s is not None and t_last is not None and rec.output_tokens > 1:
-        rec.tpot_s = (t_last - t0 - rec.ttft_s) / (rec.output_tokens - 1)
+    rec.output_tokens = len(rec.token_ids)
+    if stamps:
+        rec.ttft_s = stamps[0] - t0
+        if len(stamps) > 1:
+            rec.tt2t_s = stamps[1] - t0
+            rec.tpot_s = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+            rec.itl_max_s = max(b - a for a, b in zip(stamps, stamps[1:]))
+    elif not rec.error:
+        rec.error = "the stream ended without a token"
 
 
-async def run_sessions(base_url: str, sessions: list[Session], model: str = "pdd-small", timeout_s: float = 300.0,
-                       progress: Any = None, api_key: str | None = None) -> list[RequestRecord]:
+async def run_workload(base_url: str, sessions: Iterable[Session], cfg: LoadConfig = LoadConfig(),
+                       progress: Any = None) -> list[RequestRecord]:
+    """Replay sessions open loop (each starts at its start_s; its turns follow their answers)."""
     import httpx
 
+    sessions = list(sessions)
     records: list[RequestRecord] = []
-    t_start = time.monotonic()
-    limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout_s) as client:
+    limits = httpx.Limits(max_connections=cfg.max_connections, max_keepalive_connections=64)
+    async with httpx.AsyncClient(limits=limits, timeout=cfg.timeout_s) as client:
+        t_start = time.monotonic()
 
         async def one(s: Session) -> None:
             await asyncio.sleep(max(0.0, s.start_s - (time.monotonic() - t_start)))
-            context = ""
+            context: list[int] = []
             for i, turn in enumerate(s.turns):
-                context += turn.text
-                rec = RequestRecord(s.session_id, i, turn.kind, len(context))
-                await stream_completion(client, base_url, model, context, turn.max_tokens, rec, timeout_s, api_key)
+                if i and turn.think_s:
+                    await asyncio.sleep(turn.think_s)
+                if turn.reset_to is not None:
+                    context = context[: turn.reset_to]
+                context = context + list(turn.tokens)
+                rec = RequestRecord(s.session_id, i, turn.kind, len(context), turn.planned_hit, turn.max_tokens,
+                                    time.monotonic() - t_start)
+                await stream_completion(client, base_url, context, turn, rec, cfg)
                 records.append(rec)
                 if progress is not None:
                     progress.update(1)
-                if rec.error:
+                if rec.error:  # the session's later prompts would depend on a missing answer
+                    for j in range(i + 1, len(s.turns)):
+                        t = s.turns[j]
+                        records.append(RequestRecord(s.session_id, j, t.kind, 0, t.planned_hit, t.max_tokens,
+                                                     error=f"skipped: turn {i} failed"))
+                        if progress is not None:
+                            progress.update(1)
                     return
-                context += rec.text
-                if s.think_s:
-                    await asyncio.sleep(s.think_s)
+                context += rec.token_ids
 
         await asyncio.gather(*(one(s) for s in sessions))
-    return records
+    return sorted(records, key=lambda r: (r.t_send_s is None, r.t_send_s or 0.0, r.session_id, r.turn))
 
 
-def percentile(values: list[float], q: float) -> float | None:
+def run_sessions(base_url: str, sessions: Iterable[Session], progress: Any = None,
+                 cfg: LoadConfig = LoadConfig()) -> Any:
+    """The coroutine of `run_workload` (pdd demo's entry point)."""
+    return run_workload(base_url, sessions, cfg, progress)
+
+
+def drive(base_url: str, workload: Workload, cfg: LoadConfig = LoadConfig(), desc: str = "requests",
+          log: Any = print, progress: bool = True, settle_s: float = 3.0) -> list[RequestRecord]:
+    """Warm-up sessions first (awaited, not measured), then the workload, with a tqdm bar.
+
+    `settle_s` after the warm-up: a warm-up answered by the relay alone is absorbed into MD's cache
+    in the background once its KV has crossed the link; the measured run must not race that."""
+    from tqdm import tqdm
+
+    if workload.warmup:
+        warm = asyncio.run(run_workload(base_url, workload.warmup, cfg))
+        bad = [r for r in warm if r.error]
+        if bad:
+            log(f"warning: {len(bad)} warm-up request(s) failed, e.g. {bad[0].error}")
+        time.sleep(settle_s)
+    with tqdm(total=workload.num_requests, desc=desc, unit="req", disable=not progress, leave=False) as bar:
+        return asyncio.run(run_workload(base_url, workload.sessions, cfg, bar))
+
+
+# ---------------------------------------------------------------- statistics
+
+
+def percentile(values: Iterable[float | None], q: float) -> float | None:
     vals = sorted(v for v in values if v is not None)
     if not vals:
         return None
@@ -124,6 +225,44 @@ def percentile(values: list[float], q: float) -> float | None:
     return vals[lo] + (vals[hi] - vals[lo]) * (k - lo)
 
 
-def median(values: list[float]) -> float | None:
+def median(values: Iterable[float | None]) -> float | None:
     vals = [v for v in values if v is not None]
     return statistics.median(vals) if vals else None
+
+
+def summarize_run(records: Sequence[RequestRecord], sla: SLA) -> dict[str, Any]:
+    """One run's figures: latency percentiles, SLA goodput, what PDD did (pipelines, eager tokens,
+    handoffs, WAN bytes). Goodput is SLA-meeting requests per second of the run's makespan (first
+    send to last answer), so a graph that falls behind an open-loop arrival schedule pays for it."""
+    ok = [r for r in records if not r.error]
+    sends = [r.t_send_s for r in records if r.t_send_s is not None]
+    dones = [r.t_done_s for r in ok if r.t_done_s is not None]
+    makespan = (max(dones) - min(sends)) if dones and sends else math.nan
+    good = sum(1 for r in records if sla.meets(r))
+    out: dict[str, Any] = {"requests": len(records), "errors": len(records) - len(ok), "sla_ok": good,
+                           "sla_attainment": good / len(records) if records else math.nan,
+                           "makespan_s": makespan,
+                           "goodput_rps": good / makespan if makespan and makespan > 0 else math.nan,
+                           "throughput_tok_s": sum(r.output_tokens for r in ok) / makespan
+                           if makespan and makespan > 0 else math.nan}
+    for name in ("ttft", "tt2t", "tpot", "e2e", "itl_max"):
+        vals = [getattr(r, f"{name}_s") for r in ok]
+        for q in (50, 90, 99):
+            out[f"{name}_p{q}_s"] = percentile(vals, q / 100)
+    out_tokens = sum(r.output_tokens for r in ok)
+    eager = sum(int(r.pdd.get("eager_tokens") or 0) for r in ok)
+    out["output_tokens"] = out_tokens
+    out["eager_tokens"] = eager
+    out["rld_token_share"] = eager / out_tokens if out_tokens else math.nan
+    out["wan_bytes"] = sum(int(r.pdd.get("wan_bytes") or 0) for r in ok)
+    out["pipelines"] = dict(sorted(Counter(r.pdd.get("pipeline") or "?" for r in ok).items()))
+    out["handoffs"] = dict(sorted(Counter(r.pdd["handoff_mode"] for r in ok
+                                          if r.pdd.get("handoff_mode", "none") != "none").items()))
+    out["fallbacks"] = sum(1 for r in ok if r.pdd.get("fallback"))
+    for side in ("p", "md"):
+        hits = [r.pdd.get(f"prefix_hit_{side}") for r in ok]
+        hits = [h for h in hits if h is not None]
+        out[f"prefix_hit_{side}_mean"] = sum(hits) / len(hits) if hits else math.nan
+    planned = [r.planned_hit for r in records if r.planned_hit is not None]
+    out["planned_hit_mean"] = sum(planned) / len(planned) if planned else math.nan
+    return out

@@ -25,6 +25,12 @@ dashboard and dashboard agents, and teardown that kills exactly the process grou
 (each ``ray start`` runs in a new session) -- never ``ray stop``, which kills every Ray process of
 the machine. Nothing here imports ray in-process: health probes run ``python -c`` with the driver
 environment, so `pdd cluster ...` stays light and no driver connection lingers.
+
+Shaped link (``shaped_link`` / ``--shaped-link RATE[,DELAY,JITTER,LOSS]``, root only): site b's
+raylet runs in its own network namespace behind a veth pair shaped by the kernel (netns.py), so all
+cross-site traffic -- Ray control, object transfers, KV over Flight -- crosses a real shaped link.
+Site a then binds the host end's address (10.192.0.0/14, one /30 per GCS port) instead of
+127.0.0.1; `cluster_down` removes the namespace. Off by default: nothing changes without it.
 """
 
 from __future__ import annotations
@@ -46,6 +52,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pdd_serve import netns
+from pdd_serve.netns import NetnsError, ShapedLink, VethNamespace
 
 SITE_LABEL = "pdd.site"
 SITES = ("a", "b")
@@ -69,6 +78,10 @@ class ClusterError(RuntimeError):
     """A cluster operation failed; the message is meant for humans (no traceback needed)."""
 
 
+class ShapedLinkUnavailable(ClusterError):
+    """--shaped-link can't work on this machine (no root, no namespaces, no `ip`); nothing started."""
+
+
 @dataclass(frozen=True)
 class LocalClusterConfig:
     """Settings of the local two-site cluster; validated on construction.
@@ -89,6 +102,8 @@ class LocalClusterConfig:
     temp_dir: str | Path | None = None  # ray --temp-dir; default /tmp/pdd-ray-PORT
     node_ip: str = DEFAULT_NODE_IP  # both raylets and drivers use it, so drivers attach to site a
     start_timeout_s: float = 120.0
+    # "RATE[,DELAY,JITTER,LOSS]" or a ShapedLink: site b behind a kernel-shaped veth (netns.py)
+    shaped_link: ShapedLink | str | None = None
 
     def __post_init__(self) -> None:
         _check_port("port", self.port)
@@ -120,6 +135,20 @@ class LocalClusterConfig:
             raise ValueError(f"temp_dir {str(td)!r} is too long ({len(str(td))} > {MAX_TEMP_DIR_LEN} chars): "
                              "Ray puts its unix sockets under it and socket paths are limited to 107 bytes")
         object.__setattr__(self, "temp_dir", td)
+        if self.shaped_link is not None:
+            link = self.shaped_link if isinstance(self.shaped_link, ShapedLink) else ShapedLink.parse(self.shaped_link)
+            object.__setattr__(self, "shaped_link", link)
+            host_ip = VethNamespace.for_port(self.port).host_ip
+            if self.node_ip == DEFAULT_NODE_IP:  # site a must be reachable from inside the namespace
+                object.__setattr__(self, "node_ip", host_ip)
+            elif self.node_ip != host_ip:
+                raise ValueError(f"with shaped_link, node_ip is the host end of the veth ({host_ip}), "
+                                 f"got {self.node_ip!r}")
+
+    @property
+    def veth(self) -> VethNamespace | None:
+        """The namespace + veth pair site b runs behind (None without a shaped link)."""
+        return VethNamespace.for_port(self.port) if self.shaped_link is not None else None
 
     @property
     def address(self) -> str:
@@ -133,7 +162,8 @@ class LocalClusterConfig:
         """The settings a running cluster must match for `cluster_up` to reuse it."""
         return {"port": self.port, "node_ip": self.node_ip, "temp_dir": str(self.temp_dir),
                 "dashboard": self.dashboard, "cpus_a": self.cpus_a, "cpus_b": self.cpus_b,
-                "gpus_a": self.gpus_a, "gpus_b": self.gpus_b, "object_store_mib": self.object_store_mib}
+                "gpus_a": self.gpus_a, "gpus_b": self.gpus_b, "object_store_mib": self.object_store_mib,
+                **({"shaped_link": self.shaped_link.spec} if isinstance(self.shaped_link, ShapedLink) else {})}
 
 
 def _check_port(name: str, port: object) -> None:
@@ -157,6 +187,7 @@ class ClusterInfo:
     ports: dict[str, int] = field(default_factory=dict)  # the extra ports picked at start
     already_running: bool = False  # cluster_up found it healthy and did nothing
     config: LocalClusterConfig | None = None  # the config it runs with (for cluster_status / cluster_down)
+    shaped_link: dict[str, Any] | None = None  # the netns record (veth, link, kernel, describe); None: off
 
 
 # ---- state ----------------------------------------------------------------------------------
@@ -489,11 +520,11 @@ def _ray_exe() -> str:
 
 
 def _start_site(cfg: LocalClusterConfig, state: dict[str, Any], site: str, args: list[str],
-                timeout_s: float) -> None:
+                timeout_s: float, prefix: Iterable[str] = ()) -> None:
     log_path = Path(cfg.state_dir) / LOG_DIR / f"ray_start_{site}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([_ray_exe(), "start", *args], stdout=log, stderr=subprocess.STDOUT,
+    with open(log_path, "wb") as log:  # prefix: `ip netns exec NS` for site b behind a shaped link
+        proc = subprocess.Popen([*prefix, _ray_exe(), "start", *args], stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=_subprocess_env(cfg), start_new_session=True)
     state["pgids"][site] = proc.pid  # its own session: every process it spawns shares this group
     _save_state(cfg, state)
@@ -522,7 +553,7 @@ def _info(cfg: LocalClusterConfig, state: dict[str, Any], node_ids: dict[str, st
     return ClusterInfo(address=cfg.address, node_ids=dict(node_ids), env=driver_env(cfg),
                        token_path=str(cfg.token_path), state_dir=str(cfg.state_dir), temp_dir=str(cfg.temp_dir),
                        session_dir=str(session) if session else None, dashboard_url=dash, ports=dict(ports),
-                       already_running=already_running, config=cfg)
+                       already_running=already_running, config=cfg, shaped_link=state.get("netns"))
 
 
 @contextlib.contextmanager
@@ -572,7 +603,11 @@ def _up(cfg: LocalClusterConfig, say: Callable[[str], None]) -> ClusterInfo:
         say(f"recorded cluster in {cfg.state_dir} is not healthy ({why}); tearing down what is left")
         _down(cfg)
 
-    problem = port_problem(cfg.node_ip, cfg.port)
+    if cfg.shaped_link is not None and (why := netns.support()):
+        raise ShapedLinkUnavailable(f"--shaped-link needs a network namespace and a veth pair, but {why}; "
+                                    "nothing was started")
+    # a shaped link's host veth address doesn't exist yet: check the port on loopback (the GCS binds all)
+    problem = port_problem(cfg.node_ip if cfg.shaped_link is None else DEFAULT_NODE_IP, cfg.port)
     if problem:
         raise ClusterError(f"port {cfg.port} is taken: {problem}. It is not a cluster recorded in "
                            f"{cfg.state_dir}; pick another port (--port) or stop whatever holds it")
@@ -609,10 +644,16 @@ def _up(cfg: LocalClusterConfig, say: Callable[[str], None]) -> ClusterInfo:
               "--dashboard-agent-listen-port", str(agent_b)]
     t0 = time.monotonic()
     try:
+        prefix_b: list[str] = []
+        if cfg.veth is not None:
+            state["netns"] = _setup_shaped_link(cfg, say)
+            _save_state(cfg, state)
+            worker[worker.index("--node-ip-address") + 1] = cfg.veth.ns_ip
+            prefix_b = cfg.veth.exec_prefix
         say(f"starting site a (head, GCS {cfg.address}) ...")
         _start_site(cfg, state, "a", head, max(1.0, deadline - time.monotonic()))
         say(f"starting site b ... ({time.monotonic() - t0:.1f}s)")
-        _start_site(cfg, state, "b", worker, max(1.0, deadline - time.monotonic()))
+        _start_site(cfg, state, "b", worker, max(1.0, deadline - time.monotonic()), prefix=prefix_b)
         probe = _probe(cfg, wait_s=max(1.0, deadline - time.monotonic()))
         sites = _alive_sites(probe["nodes"])
         if set(sites) != set(SITES):
@@ -622,6 +663,8 @@ def _up(cfg: LocalClusterConfig, say: Callable[[str], None]) -> ClusterInfo:
         tail = log_tail(cfg)
         _teardown(cfg, state)
         _remove_state(cfg, keep_logs=True)
+        if isinstance(e, ShapedLinkUnavailable):
+            raise
         if isinstance(e, (ClusterError, OSError)):
             raise ClusterError(f"{e}\n{tail}") from None
         raise
@@ -636,7 +679,38 @@ def _up(cfg: LocalClusterConfig, say: Callable[[str], None]) -> ClusterInfo:
 
 def _teardown(cfg: LocalClusterConfig, state: dict[str, Any] | None) -> list[int]:
     groups = set((state or {}).get("pgids", {}).values()) | _groups_running_under(Path(cfg.temp_dir))
-    return _kill_groups(groups)
+    pids = _kill_groups(groups)
+    _destroy_shaped_link(cfg, state)
+    return pids
+
+
+def _setup_shaped_link(cfg: LocalClusterConfig, say: Callable[[str], None]) -> dict[str, Any]:
+    """Make site b's namespace + shaped veth; returns the record kept in the state."""
+    veth, link = cfg.veth, cfg.shaped_link
+    assert veth is not None and isinstance(link, ShapedLink)
+    try:
+        kernel = netns.create(veth, link)
+    except NetnsError as e:
+        raise ShapedLinkUnavailable(f"could not set up the shaped link: {e}; nothing was started") from None
+    lines = netns.describe(link, kernel)
+    say(f"shaped link: site b in netns {veth.name} ({veth.ns_ip}) behind veth {veth.host_if} ({veth.host_ip})")
+    for line in lines:
+        say(f"  {line}")
+    return {"veth": veth.to_dict(), "link": link.spec, "kernel": kernel.to_dict(), "describe": lines}
+
+
+def _destroy_shaped_link(cfg: LocalClusterConfig, state: dict[str, Any] | None) -> str | None:
+    """Remove the recorded namespace (or the port's, if one lingers without a record); never raises:
+    teardown goes on regardless. Returns the error, if any."""
+    rec = (state or {}).get("netns")
+    veth = VethNamespace.from_dict(rec["veth"]) if rec else VethNamespace.for_port(cfg.port)
+    if not rec and not netns.exists(veth):
+        return None
+    try:
+        netns.destroy(veth)
+    except (NetnsError, ValueError) as e:
+        return str(e)
+    return None
 
 
 def _remove_state(cfg: LocalClusterConfig, keep_logs: bool = False) -> None:
@@ -681,6 +755,7 @@ def _down(cfg: LocalClusterConfig, remove_logs: bool = False) -> dict[str, Any]:
     state = _load_state(cfg)
     rcfg = _recorded_cfg(cfg, state)
     pids = _teardown(rcfg, state)
+    ns_left = [n for n in [(state or {}).get("netns", {}).get("veth", {}).get("name")] if n and netns.exists(n)]
     _remove_state(cfg)
     if remove_logs:
         _remove_ray_logs(Path(rcfg.temp_dir))
@@ -690,6 +765,10 @@ def _down(cfg: LocalClusterConfig, remove_logs: bool = False) -> dict[str, Any]:
         msg = f"no processes were left of the cluster at {rcfg.address}; state in {cfg.state_dir} removed"
     else:
         msg = f"no cluster recorded in {cfg.state_dir} and none running under {rcfg.temp_dir}: nothing to stop"
+    if ns_left:
+        msg += f"; WARNING: network namespace {ns_left[0]} could not be removed (`ip netns del {ns_left[0]}`)"
+    elif (state or {}).get("netns"):
+        msg += f"; removed network namespace {state['netns']['veth']['name']} and its veth pair"
     return {"stopped_pids": pids, "had_state": state is not None, "message": msg}
 
 
@@ -704,7 +783,8 @@ def cluster_status(cfg: LocalClusterConfig) -> dict[str, Any]:
     out: dict[str, Any] = {"state_dir": str(cfg.state_dir), "recorded": state is not None,
                            "address": rcfg.address, "temp_dir": str(rcfg.temp_dir), "running": False,
                            "healthy": False, "sites": {}, "nodes": [], "error": None,
-                           "env": driver_env(cfg), "ports": (state or {}).get("ports", {})}
+                           "env": driver_env(cfg), "ports": (state or {}).get("ports", {}),
+                           "shaped_link": (state or {}).get("netns")}
     pgids = (state or {}).get("pgids", {})
     procs = {s: len(_cluster_procs([pgids[s]])) if s in pgids else 0 for s in SITES}
     if state is None and not _groups_running_under(Path(rcfg.temp_dir)):
@@ -765,6 +845,15 @@ custom resource site_a / site_b (1000 units). Pin Serve deployments with
   ray_actor_options: {label_selector: {pdd.site: b}, num_cpus: 0.5}
 CPUs are logical (--cpus-a / --cpus-b, default 4 each; may exceed the real cores).
 
+Shaped link (root): `pdd cluster up --shaped-link RATE[,DELAY,JITTER,LOSS]`, e.g. 40mbit or
+100mbit,50ms,5ms,0.1%, runs site b's raylet in its own network namespace behind a veth pair shaped
+by the kernel (tbf/htb for the rate; netem for delay/jitter/loss where the kernel has it), so all
+cross-site traffic (Ray control and the KV Flight stream) crosses it with real TCP. DELAY is
+one-way. `up` prints which parts are kernel-shaped; what isn't must come from the graph's
+args.link (LinkModel). Site a's address becomes the host veth end (10.192.x.y), so MD's Flight
+server must bind a reachable address: see cluster_configs/graphs/local-shaped-*.yaml. Without
+namespaces (not root, no `ip`) it says so and exits 4 having started nothing.
+
 Drivers and token auth: the cluster uses token auth with its own token in STATE_DIR/auth_token
 (never the shared ~/.ray/auth_token). A driver (ray.init, `serve run`, `ray status`) needs
   RAY_ADDRESS=IP:PORT  RAY_AUTH_MODE=token  RAY_AUTH_TOKEN_PATH=STATE_DIR/auth_token
@@ -787,7 +876,7 @@ process groups, ports and token; Ray's own sockets and logs live in --temp-dir (
 def _cfg_from_args(args: argparse.Namespace) -> LocalClusterConfig:
     kw: dict[str, Any] = {}
     for name in ("port", "dashboard", "dashboard_port", "cpus_a", "cpus_b", "gpus_a", "gpus_b",
-                 "object_store_mib", "state_dir", "temp_dir", "node_ip", "start_timeout_s"):
+                 "object_store_mib", "state_dir", "temp_dir", "node_ip", "start_timeout_s", "shaped_link"):
         v = getattr(args, name, None)
         if v is not None:
             kw[name] = v
@@ -815,6 +904,9 @@ def _add_common(p: argparse.ArgumentParser, up: bool = False) -> None:
         p.add_argument("--dashboard-port", type=int, default=None, help="dashboard port (default: 8265)")
         p.add_argument("--timeout", dest="start_timeout_s", type=float, default=None,
                        help="seconds to wait for both sites (default: 120)")
+        p.add_argument("--shaped-link", default=None, metavar="RATE[,DELAY,JITTER,LOSS]",
+                       help="root: put site b in a network namespace behind a kernel-shaped veth, e.g. "
+                            "40mbit or 100mbit,50ms,5ms,0.1%% (DELAY one-way; see above)")
 
 
 def _err(cmd: str, e: Exception) -> int:
@@ -826,6 +918,9 @@ def _run_up(args: argparse.Namespace) -> int:
     try:
         cfg = _cfg_from_args(args)
         info = cluster_up(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
+    except ShapedLinkUnavailable as e:
+        print(f"pdd cluster up: {e}", file=sys.stderr)
+        return 4
     except (ValueError, ClusterError) as e:
         return _err("up", e)
     print(f"address:     {info.address}  ({'already running' if info.already_running else 'started'})")
@@ -836,6 +931,12 @@ def _run_up(args: argparse.Namespace) -> int:
     print(f"ray logs:    {info.session_dir or info.temp_dir}/logs")
     print(f"dashboard:   {info.dashboard_url or 'off'}")
     print(f"serve http:  proxy on site a, port from the app's http_options (default {info.serve_port})")
+    if info.shaped_link:
+        v = info.shaped_link["veth"]
+        print(f"shaped link: {info.shaped_link['link']}: site b in netns {v['name']} ({v['ns_ip']}), "
+              f"site a on {v['host_if']} ({v['host_ip']})")
+        for line in info.shaped_link["describe"]:
+            print(f"  {line}")
     print("driver env (or: eval \"$(pdd cluster env)\"):")
     for line in env_lines(cfg):
         print(f"  {line}")
@@ -868,6 +969,10 @@ def _run_status(args: argparse.Namespace) -> int:
                   + (f"  ({n['death_reason']})" if n["death_reason"] else ""))
         if st["error"] and st["recorded"]:
             print(f"  probe error: {st['error']}")
+        if st["shaped_link"]:
+            v = st["shaped_link"]["veth"]
+            print(f"  shaped link {st['shaped_link']['link']}: site b in netns {v['name']} "
+                  f"({'present' if netns.exists(v['name']) else 'MISSING'})")
     return 0 if st["healthy"] else (1 if st["running"] else 3)
 
 
@@ -940,6 +1045,6 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["ClusterError", "ClusterInfo", "LocalClusterConfig", "add_cluster_arguments", "add_cluster_parser",
+__all__ = ["ClusterError", "ClusterInfo", "LocalClusterConfig", "ShapedLinkUnavailable", "add_cluster_arguments", "add_cluster_parser",
            "apply_driver_env", "cluster_down", "cluster_status", "cluster_up", "driver_env", "env_lines",
            "log_tail", "port_problem", "run_cluster", "spawn_reaper"]

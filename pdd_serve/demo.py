@@ -3,7 +3,6 @@ agentic workload, with a summary of what PDD did per pipeline."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import sys
@@ -52,9 +51,14 @@ def deploy_graph(path: Path, env: dict[str, str], timeout_s: float = 600.0, log:
     raise DemoError(f"{path} did not become healthy within {timeout_s:.0f}s; see `serve status` and the ray logs")
 
 
-def shutdown_serve(env: dict[str, str]) -> None:
-    serve_exe = str(Path(sys.executable).with_name("serve"))
-    subprocess.run([serve_exe, "shutdown", "-y"], env={**os.environ, **env}, capture_output=True, timeout=120)
+def shutdown_serve(env: dict[str, str], timeout_s: float = 120.0) -> None:
+    """Delete every Serve app and the controller. `serve shutdown` talks to the dashboard, which the
+    local cluster runs without, so this goes through a driver (the Python API) instead."""
+    code = "import ray; from ray import serve; ray.init(logging_level='error'); serve.shutdown()"
+    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=timeout_s)
+    if proc.returncode != 0:
+        raise DemoError(f"serve shutdown failed: {proc.stderr[-2000:]}")
 
 
 def summarize(records: list[Any]) -> list[dict[str, Any]]:
@@ -97,10 +101,8 @@ def print_summary(rows: list[dict[str, Any]]) -> None:
 
 def run_demo(graph: str = "graphs/pdd.yaml", keep: bool = False, sessions: int = 4, turns: int = 3,
              log: Any = print) -> int:
-    from tqdm import tqdm
-
-    from evaluations.loadgen import run_sessions
-    from evaluations.workloads import AgenticWorkload, agentic_sessions
+    from evaluations.loadgen import drive
+    from evaluations.workloads import AgenticWorkload, agentic_workload
     from pdd_serve.cluster import LocalClusterConfig, cluster_down, cluster_up, driver_env
 
     path = Path(graph)
@@ -118,12 +120,11 @@ def run_demo(graph: str = "graphs/pdd.yaml", keep: bool = False, sessions: int =
     try:
         url = deploy_graph(path, env, log=log)
         w = AgenticWorkload(sessions=sessions, turns=turns)
-        ss = agentic_sessions(w)
-        n = sum(len(s.turns) for s in ss)
-        log(f"driving {len(ss)} sessions ({n} requests): {sessions} agentic x {turns} turns, "
-            f"{w.cold} cold long documents, {w.anomalous} anomalous (long input, {w.anomalous_max_tokens} output tokens)")
-        with tqdm(total=n, desc="requests", unit="req") as bar:
-            records = asyncio.run(run_sessions(url, ss, progress=bar))
+        wl = agentic_workload(w)
+        log(f"driving {wl.num_requests} requests: {sessions} agentic sessions x {turns} turns (target prefix hit "
+            f"{w.hit}, mean {w.hit.mean:.2f}, hit-0 turns open a cold document), {w.anomalous} anomalous "
+            f"(long input, {w.anomalous_max_tokens} output tokens)")
+        records = drive(url, wl, log=log)
         rows = summarize(records)
         print_summary(rows)
         errors = [r for r in records if r.error]

@@ -4,6 +4,7 @@ batching, and `extend` over the token ids a relay hands off."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
@@ -99,20 +100,27 @@ class MainDecode:
     async def decode(self, request_id: str, committed: list[int], timeout_s: float) -> AsyncIterator[TokenChunk]:
         """Take over a request: extend over the committed tokens MD lacks, then decode in the
         shared batch. `committed` is everything the client has seen (the router's truth)."""
-        finished = False
+        final: TokenChunk | None = None
         try:
             seq = await self._ready(request_id, timeout_s)
             have = len(seq.output_ids)
             if seq.output_ids != list(committed[:have]):
                 raise MDRequestError(f"{request_id}: MD holds tokens that differ from the committed stream")
             tok = await self.worker.call(self.engine.extend, seq, list(committed[have:]))
-            yield TokenChunk([tok], seq.finish_reason)
-            if seq.finish_reason is None:
-                async for step in self.worker.decode(seq):
-                    yield TokenChunk(step.token_ids, step.finish_reason)
-            finished = seq.finish_reason is not None
+            if seq.finish_reason is not None:
+                final = TokenChunk([tok], seq.finish_reason)
+            else:
+                yield TokenChunk([tok])
+                async with contextlib.aclosing(self.worker.decode(seq)) as steps:
+                    async for step in steps:
+                        if step.finish_reason is not None:
+                            final = TokenChunk(step.token_ids, step.finish_reason)
+                            break
+                        yield TokenChunk(step.token_ids)
         finally:
-            await self._drop(request_id, cache=finished)
+            await self._drop(request_id, cache=final is not None)
+        if final is not None:  # released first: the last chunk leaves nothing behind
+            yield final
 
     async def absorb(self, request_id: str, output_ids: list[int], timeout_s: float) -> bool:
         """The relay finished a request before the handoff: build the output's KV anyway so MD's

@@ -137,13 +137,15 @@ class Orchestrator:
                     prepared = False
                 return
             if dec.pipeline == "P-MD":
-                async for toks in self._from_md(st, md):
-                    yield toks
+                inner = self._from_md(st, md)
             elif dec.pipeline == "P-RLD":
-                async for toks in self._from_relay_only(st, pre):
-                    yield toks
+                inner = self._from_relay_only(st, pre)
             else:
-                async for toks in self._relay_then_md(st, md, pre, forced.get("handoff_mode")):
+                inner = self._relay_then_md(st, md, pre, forced.get("handoff_mode"))
+            # close the inner stream explicitly when the client leaves: its cleanup (cancel RLD,
+            # stop MD) must not wait for garbage collection
+            async with contextlib.aclosing(inner):
+                async for toks in inner:
                     yield toks
             prepared = False  # MD released the request itself (decode/absorb ended it)
         finally:
@@ -249,11 +251,12 @@ class Orchestrator:
             relay_open = False
             self.relay_running -= 1
             first = True
-            async for toks in self._from_md(st, md):
-                if first:
-                    st.info.handoff_s = time.monotonic() - t_handoff
-                    first = False
-                yield toks
+            async with contextlib.aclosing(self._from_md(st, md)) as from_md:
+                async for toks in from_md:
+                    if first:
+                        st.info.handoff_s = time.monotonic() - t_handoff
+                        first = False
+                    yield toks
         finally:
             for t in (nxt, kv, batch):
                 if t is not None and not t.done():

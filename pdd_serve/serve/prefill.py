@@ -53,7 +53,7 @@ class Prefill:
         self.where = placement()
         # one link per replica: all of this replica's transfers share its bandwidth
         self.link = cfg.link.build(self.engine.layout.bytes_per_token)
-        self.transfers = {"started": 0, "done": 0, "failed": 0, "bytes": 0}
+        self.transfers = {"started": 0, "done": 0, "failed": 0, "dropped": 0, "bytes": 0}
 
     async def prefill(self, preq: PrefillRequest) -> PrefillResult:
         from pdd_serve.transport.object_store import put_kv
@@ -82,7 +82,7 @@ class Prefill:
         return PrefillResult(first, finish, seq.prefix_hit_tokens, time.perf_counter() - t0, wan, kv_ref)
 
     def _start_sender(self, request_id: str, feed: _BlockFeed) -> None:
-        from pdd_serve.transport.flight import KVFlightClient
+        from pdd_serve.transport.flight import KVFlightClient, UnknownRequestError
 
         fl = self.cfg.flight
 
@@ -95,6 +95,8 @@ class Prefill:
                 stats = client.push(request_id, iter(feed))
                 self.transfers["done"] += 1
                 self.transfers["bytes"] += stats.bytes_sent
+            except UnknownRequestError:  # MD released it first (cancelled, or RLD finished it)
+                self.transfers["dropped"] += 1
             except Exception as e:  # MD's bounded wait turns this into a fallback
                 self.transfers["failed"] += 1
                 logger.warning("KV transfer of %s failed: %s", request_id, e)

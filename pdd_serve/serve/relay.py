@@ -5,6 +5,7 @@ router cancels its stream at the handoff; its KV is freed then."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 from ray import serve
@@ -32,6 +33,7 @@ class Relay:
         req = rreq.req
         seq = self.engine.add(req.request_id, list(req.prompt_token_ids), req.params)
         self.live.add(req.request_id)
+        final: TokenChunk | None = None
         try:
             # a local object store read (zero-copy); off the event loop so other streams keep flowing
             blocks = await asyncio.to_thread(get_kv, rreq.kv_ref, self.cfg.policy.kv_wait_timeout_s,
@@ -39,14 +41,20 @@ class Relay:
             await self.worker.call(self.engine.import_kv, seq, blocks)
             del blocks
             self.engine.append_tokens(seq, [rreq.first_token])
-            async for step in self.worker.decode(seq):
-                self.tokens_generated += len(step.token_ids)
-                yield TokenChunk(step.token_ids, step.finish_reason)
+            async with contextlib.aclosing(self.worker.decode(seq)) as steps:
+                async for step in steps:
+                    self.tokens_generated += len(step.token_ids)
+                    if step.finish_reason is not None:
+                        final = TokenChunk(step.token_ids, step.finish_reason)
+                        break
+                    yield TokenChunk(step.token_ids)
         finally:
             await self.worker.release(seq, cache=False)
             self.live.discard(req.request_id)
+        if final is not None:  # after the release: nothing is left to clean once the caller has it
+            yield final
 
     def stats(self) -> ReplicaStats:
         e = self.engine
         return ReplicaStats("relay", len(self.live), e.pool.num_free, e.pool.num_blocks,
-                            extra={"tokens_generated": self.tokens_generated, **self.where})
+                            extra={"tokens_generated": self.tokens_generated, "live": sorted(self.live), **self.where})
