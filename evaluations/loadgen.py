@@ -23,7 +23,7 @@ import math
 import statistics
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -150,14 +150,15 @@ async def stream_completion(client: Any, base_url: str, prompt: Sequence[int], t
 
 
 async def run_workload(base_url: str, sessions: Iterable[Session], cfg: LoadConfig = LoadConfig(),
-                       progress: Any = None) -> list[RequestRecord]:
-    """Replay sessions open loop (each starts at its start_s; its turns follow their answers)."""
+                       progress: Any = None, transport: Any = None) -> list[RequestRecord]:
+    """Replay sessions open loop (each starts at its start_s; its turns follow their answers).
+    `transport`: an httpx transport to use instead of the network (tests)."""
     import httpx
 
     sessions = list(sessions)
     records: list[RequestRecord] = []
     limits = httpx.Limits(max_connections=cfg.max_connections, max_keepalive_connections=64)
-    async with httpx.AsyncClient(limits=limits, timeout=cfg.timeout_s) as client:
+    async with httpx.AsyncClient(limits=limits, timeout=cfg.timeout_s, transport=transport) as client:
         t_start = time.monotonic()
 
         async def one(s: Session) -> None:
@@ -196,11 +197,13 @@ def run_sessions(base_url: str, sessions: Iterable[Session], progress: Any = Non
 
 
 def drive(base_url: str, workload: Workload, cfg: LoadConfig = LoadConfig(), desc: str = "requests",
-          log: Any = print, progress: bool = True, settle_s: float = 3.0) -> list[RequestRecord]:
+          log: Any = print, progress: bool = True,
+          settle_s: float | Callable[[list[RequestRecord]], float] = 3.0) -> list[RequestRecord]:
     """Warm-up sessions first (awaited, not measured), then the workload, with a tqdm bar.
 
-    `settle_s` after the warm-up: a warm-up answered by the relay alone is absorbed into MD's cache
-    in the background once its KV has crossed the link; the measured run must not race that."""
+    `settle_s` after the warm-up (or a function of the warm-up's records): a warm-up answered by the
+    relay alone is absorbed into MD's cache in the background once its KV has crossed the link; the
+    measured run must not race that."""
     from tqdm import tqdm
 
     if workload.warmup:
@@ -208,7 +211,7 @@ def drive(base_url: str, workload: Workload, cfg: LoadConfig = LoadConfig(), des
         bad = [r for r in warm if r.error]
         if bad:
             log(f"warning: {len(bad)} warm-up request(s) failed, e.g. {bad[0].error}")
-        time.sleep(settle_s)
+        time.sleep(settle_s(warm) if callable(settle_s) else settle_s)
     with tqdm(total=workload.num_requests, desc=desc, unit="req", disable=not progress, leave=False) as bar:
         return asyncio.run(run_workload(base_url, workload.sessions, cfg, bar))
 
@@ -230,21 +233,26 @@ def median(values: Iterable[float | None]) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def summarize_run(records: Sequence[RequestRecord], sla: SLA) -> dict[str, Any]:
+def makespan(records: Sequence[RequestRecord]) -> float:
+    """First send to last answer of one run."""
+    sends = [r.t_send_s for r in records if r.t_send_s is not None]
+    dones = [r.t_done_s for r in records if not r.error and r.t_done_s is not None]
+    return (max(dones) - min(sends)) if dones and sends else math.nan
+
+
+def summarize_run(records: Sequence[RequestRecord], sla: SLA, makespan_s: float | None = None) -> dict[str, Any]:
     """One run's figures: latency percentiles, SLA goodput, what PDD did (pipelines, eager tokens,
     handoffs, WAN bytes). Goodput is SLA-meeting requests per second of the run's makespan (first
-    send to last answer), so a graph that falls behind an open-loop arrival schedule pays for it."""
+    send to last answer), so a graph that falls behind an open-loop arrival schedule pays for it.
+    `makespan_s` overrides it (records pooled from several runs: the sum of their makespans)."""
     ok = [r for r in records if not r.error]
-    sends = [r.t_send_s for r in records if r.t_send_s is not None]
-    dones = [r.t_done_s for r in ok if r.t_done_s is not None]
-    makespan = (max(dones) - min(sends)) if dones and sends else math.nan
+    span = makespan(records) if makespan_s is None else makespan_s
     good = sum(1 for r in records if sla.meets(r))
     out: dict[str, Any] = {"requests": len(records), "errors": len(records) - len(ok), "sla_ok": good,
                            "sla_attainment": good / len(records) if records else math.nan,
-                           "makespan_s": makespan,
-                           "goodput_rps": good / makespan if makespan and makespan > 0 else math.nan,
-                           "throughput_tok_s": sum(r.output_tokens for r in ok) / makespan
-                           if makespan and makespan > 0 else math.nan}
+                           "makespan_s": span,
+                           "goodput_rps": good / span if span > 0 else math.nan,
+                           "throughput_tok_s": sum(r.output_tokens for r in ok) / span if span > 0 else math.nan}
     for name in ("ttft", "tt2t", "tpot", "e2e", "itl_max"):
         vals = [getattr(r, f"{name}_s") for r in ok]
         for q in (50, 90, 99):

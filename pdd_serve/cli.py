@@ -176,6 +176,8 @@ COMMANDS: list[Command] = [
             "Print the path of the embedded default model (llama, 4 layers, hidden 256, seed 0),\n"
             "building it into the cache on first use."),
 ]
+COMMANDS += __import__("evaluations.cli", fromlist=["EVAL_COMMANDS"]).EVAL_COMMANDS  # compare, sweep, runs
+COMMANDS += __import__("evaluations.sim.cli", fromlist=["SIM_COMMANDS"]).SIM_COMMANDS  # simulate, plan
 
 
 def build_parser() -> argparse.ArgumentParser:

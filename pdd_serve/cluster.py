@@ -662,8 +662,9 @@ def _up(cfg: LocalClusterConfig, say: Callable[[str], None]) -> ClusterInfo:
     except BaseException as e:  # also Ctrl-C: never leave a half-started cluster behind
         tail = log_tail(cfg)
         _teardown(cfg, state)
-        _remove_state(cfg, keep_logs=True)
-        if isinstance(e, ShapedLinkUnavailable):
+        unavailable = isinstance(e, ShapedLinkUnavailable)  # nothing ran: no logs worth keeping
+        _remove_state(cfg, keep_logs=not unavailable)
+        if unavailable:
             raise
         if isinstance(e, (ClusterError, OSError)):
             raise ClusterError(f"{e}\n{tail}") from None

@@ -83,7 +83,10 @@ class PolicyConfig:
     anomalous_min_input_tokens: int = 1536
     anomalous_max_output_tokens: int = 8
     anomalous_min_transfer_s: float = 1.0
-    kv_wait_timeout_s: float = 30.0  # a cross-site KV wait longer than this falls back
+    kv_wait_timeout_s: float = 30.0  # a cross-site wait (KV, a decoder's next chunk) longer than this falls back
+    max_migrations: int = 2  # MD failures a request survives by moving to another MD before RLD finishes it
+    prefill_retries: int = 2
+    allow_fault_injection: bool = False  # the `inject` control calls the tests and the soak use (dev graphs)
     allow_overrides: bool = False  # honour a request body's `pdd: {pipeline, handoff_mode}`
     drc: bool = True  # decode-side radix cache at MD
 
@@ -97,6 +100,8 @@ class PolicyConfig:
         _require(0 < self.relay_busy_fraction <= 1, "policy.relay_busy_fraction must be in (0, 1]")
         _require(self.relay_max_running > 0, "policy.relay_max_running must be > 0")
         _require(self.kv_wait_timeout_s > 0, "policy.kv_wait_timeout_s must be > 0")
+        _require(self.max_migrations >= 0 and self.prefill_retries >= 0,
+                 "policy.max_migrations and policy.prefill_retries must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -40,5 +40,5 @@ class RouterMetrics:
             self.output_tokens.inc(len(st.committed))
         if info.wan_bytes:
             self.wan_bytes.inc(info.wan_bytes)
-        if info.fallback:
-            self.fallbacks.inc(tags={"kind": info.fallback.split(":")[0]})
+        for kind in info.fallbacks:
+            self.fallbacks.inc(tags={"kind": kind})

@@ -224,7 +224,7 @@ def describe(link: ShapedLink, applied: KernelShaping) -> list[str]:
                        f"they come from the application-level LinkModel: set the graph's "
                        f"args.link.one_way_latency_s: {link.delay_s:g} (and its jitter/sigma)")
     else:
-        out.append("delay/jitter: none asked; the real veth adds ~0.05 ms RTT; any LinkModel latency in the "
+        out.append("delay/jitter: none asked (the veth itself adds well under 1 ms); any LinkModel latency in the "
                    "graph's args.link is added by the application")
     if link.loss:
         out.append(f"loss {link.loss * 100:g}%: " + ("kernel-shaped (netem)" if applied.netem

@@ -36,24 +36,37 @@ class InProcessBackends:
         self.md_seqs: list[dict] = [{} for _ in range(num_md)]
         self.inbox: dict[str, asyncio.Future] = {}
         self.calls: list[str] = []
+        self.import_locks: dict[str, asyncio.Lock] = {}
+        # fault injection (counts of failures still to inject)
+        self.fail_md_after: dict[int, int] = {}  # MD index -> die after this many chunks
+        self.lose_kv = 0  # transfers that never arrive
+        self.fail_prefill = 0
+        self.fail_relay = 0
 
     async def md_status(self, i, hashes):
         return MDStatus(i, self.mds[i].cache.peek(hashes), len(self.md_seqs[i]), 32)
 
     async def md_prepare(self, i, req: GenRequest):
+        old = self.md_seqs[i].pop(req.request_id, None)
+        if old is not None:
+            await self.mws[i].release(old, cache=False)
         seq = self.mds[i].add(req.request_id, list(req.prompt_token_ids), req.params)
         hit = self.mds[i].match_prefix(seq)
         self.md_seqs[i][req.request_id] = seq
-        self.inbox[req.request_id] = asyncio.get_running_loop().create_future()
+        self.inbox[req.request_id] = asyncio.get_running_loop().create_future()  # (re-)registered
         n = blocks_needed(seq.prompt_len, 16) - hit // 16
         return MDPrepareReply(i, hit, hit // 16, n, f"inproc://md{i}")
 
     async def md_wait_kv(self, i, rid, timeout_s):
         seq = self.md_seqs[i][rid]
         if seq.num_computed < seq.prompt_len:
-            blocks = await asyncio.wait_for(asyncio.shield(self.inbox[rid]), timeout_s)
-            if seq.num_computed < seq.prompt_len:
-                await self.mws[i].call(self.mds[i].import_kv, seq, blocks)
+            try:
+                blocks = await asyncio.wait_for(asyncio.shield(self.inbox[rid]), timeout_s)
+            except asyncio.TimeoutError:
+                return KVReady(False, error="timeout")
+            async with self.import_locks.setdefault(rid, asyncio.Lock()):  # like MD's single receive task
+                if seq.num_computed < seq.prompt_len:
+                    await self.mws[i].call(self.mds[i].import_kv, seq, blocks)
         return KVReady(True, 0, 0.0)
 
     async def md_handoff_batch(self, i, rid, token_ids, timeout_s):
@@ -64,14 +77,19 @@ class InProcessBackends:
         return len(seq.output_ids)
 
     async def md_decode(self, i, rid, committed, timeout_s):
-        self.calls.append(f"decode:{len(committed)}")
+        self.calls.append(f"decode{i}:{len(committed)}")
         await self.md_wait_kv(i, rid, timeout_s)
         seq = self.md_seqs[i][rid]
         try:
             tok = await self.mws[i].call(self.mds[i].extend, seq, list(committed[len(seq.output_ids):]))
             yield TokenChunk([tok], seq.finish_reason)
+            n = 1
             if seq.finish_reason is None:
                 async for step in self.mws[i].decode(seq):
+                    if self.fail_md_after.get(i) == n:
+                        del self.fail_md_after[i]
+                        raise RuntimeError(f"MD {i} replica died")
+                    n += 1
                     yield TokenChunk(step.token_ids, step.finish_reason)
         finally:
             self.md_seqs[i].pop(rid, None)
@@ -94,6 +112,9 @@ class InProcessBackends:
         return seq is not None
 
     async def prefill(self, preq):
+        if self.fail_prefill:
+            self.fail_prefill -= 1
+            raise RuntimeError("prefill replica died mid-prefill")
         req = preq.req
         seq = self.p.add(req.request_id, list(req.prompt_token_ids), req.params)
         first = await self.pw.call(self.p.prefill, seq)
@@ -107,7 +128,12 @@ class InProcessBackends:
 
             async def arrive() -> None:
                 await asyncio.sleep(self.wan_delay_s)
-                self.inbox[req.request_id].set_result(delta)
+                if self.lose_kv:  # the WAN cut mid-transfer: it never completes
+                    self.lose_kv -= 1
+                    return
+                fut = self.inbox[req.request_id]
+                if not fut.done():
+                    fut.set_result(delta)
 
             asyncio.ensure_future(arrive())
         return PrefillResult(first, finish, seq.prefix_hit_tokens, 0.0, wan, kv if preq.to_relay else None)
@@ -116,11 +142,19 @@ class InProcessBackends:
         req = rreq.req
         seq = self.r.add(req.request_id, list(req.prompt_token_ids), req.params)
         try:
+            if self.fail_relay:
+                self.fail_relay -= 1
+                raise RuntimeError("relay replica died")
             await self.rw.call(self.r.import_kv, seq, rreq.kv_ref)
-            self.r.append_tokens(seq, [rreq.first_token])
-            async for step in self.rw.decode(seq):
-                await asyncio.sleep(self.relay_step_s)
-                yield TokenChunk(step.token_ids, step.finish_reason)
+            if len(rreq.committed) > 1:
+                tok = await self.rw.call(self.r.extend, seq, list(rreq.committed))
+                yield TokenChunk([tok], seq.finish_reason)
+            else:
+                self.r.append_tokens(seq, list(rreq.committed))
+            if not seq.finished:
+                async for step in self.rw.decode(seq):
+                    await asyncio.sleep(self.relay_step_s)
+                    yield TokenChunk(step.token_ids, step.finish_reason)
         finally:
             await self.rw.release(seq, cache=False)
 
@@ -215,3 +249,63 @@ def test_policy_config_guards():
         PolicyConfig(pipelines=("P-RLD",)).__class__(pipelines=())
     hashes = block_hashes(list(range(40)), 16)
     assert len(hashes) == 2
+
+
+FAULTS = {
+    "md_dies_mid_stream": dict(fail_md_after={0: 5}),
+    "md_dies_twice": dict(fail_md_after={0: 5, 1: 3}),
+    "wan_cut_p_md": dict(lose_kv=1),
+    "prefill_dies": dict(fail_prefill=1),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_fault_paths_complete_with_identical_output(model_dir, fault):
+    """Each fault path: the request completes, token-identical to one engine, nothing repeated."""
+    b = InProcessBackends(model_dir, num_md=2, wan_delay_s=0.05, relay_step_s=0.0)
+    for k, v in FAULTS[fault].items():
+        setattr(b, k, dict(v) if isinstance(v, dict) else v)
+    orch = _orch(b, kv_wait_timeout_s=1.0, max_migrations=1)
+    prompt = _prompt(70, 33)
+    ref = Engine.from_pretrained(model_dir).generate(prompt, 40)
+
+    async def main():
+        out, st = await _run(orch, prompt, 40, {"pipeline": "P-MD"})
+        await asyncio.gather(*orch.bg, return_exceptions=True)
+        return out, st
+
+    out, st = asyncio.run(main())
+    assert out == ref, st.info
+    assert st.info.fallbacks, "the fault path was not taken"
+    assert all(not d for d in b.md_seqs)
+    if fault == "md_dies_mid_stream":
+        assert st.info.md_replica == 1 and st.info.fallbacks == ["md_lost"]
+    if fault == "md_dies_twice":  # both MDs lost: RLD finishes from the committed tokens
+        assert "relay_finish" in st.info.fallbacks and st.info.eager_tokens > 0
+
+
+def test_relay_lost_in_phase_one_hands_request_to_md(model_dir):
+    b = InProcessBackends(model_dir, wan_delay_s=0.2)
+    b.fail_relay = 1
+    orch = _orch(b)
+    prompt = _prompt(80, 34)
+    ref = Engine.from_pretrained(model_dir).generate(prompt, 30)
+    out, st = asyncio.run(_run(orch, prompt, 30, {"pipeline": "P-RLD-MD"}))
+    assert out == ref and st.info.fallbacks == ["relay_lost"] and st.info.md_tokens == 29, st.info.fallback
+
+
+def test_kv_timeout_on_relay_path_lets_relay_finish(model_dir):
+    b = InProcessBackends(model_dir, wan_delay_s=0.1, relay_step_s=0.01)
+    b.lose_kv = 1
+    orch = _orch(b, kv_wait_timeout_s=0.5)
+    prompt = _prompt(80, 35)
+    ref = Engine.from_pretrained(model_dir).generate(prompt, 80)
+
+    async def main():
+        out, st = await _run(orch, prompt, 80, {"pipeline": "P-RLD-MD"})
+        await asyncio.gather(*orch.bg, return_exceptions=True)
+        return out, st
+
+    out, st = asyncio.run(main())
+    assert out == ref and st.info.fallbacks == ["kv_timeout"] and st.info.md_tokens == 0
+    assert all(not d for d in b.md_seqs)

@@ -26,18 +26,11 @@ class MDRequestError(RuntimeError):
 @serve.deployment(max_ongoing_requests=512, health_check_period_s=5)
 class MainDecode:
     def __init__(self, cfg: PDDConfig, index: int = 0) -> None:
-        from pdd_serve.transport.flight import KVFlightServer
-
         self.cfg, self.index = cfg, index
         self.engine = load_engine(cfg.model, enable_prefix_cache=cfg.policy.drc)
         self.worker = EngineWorker(self.engine, cfg.model.max_batch)
         self.where = placement()
-        fl = cfg.flight
-        self.flight = KVFlightServer(
-            fl.bind_host, fl.port, layout=self.engine.layout, token=fl.token,
-            tls_cert=fl.tls_cert, tls_key=fl.tls_key, advertise_host=fl.advertise_host,
-            max_bytes_per_request=fl.max_bytes_per_request, max_bytes_total=fl.max_bytes_total,
-        )
+        self.flight = self._new_flight()
         self.seqs: dict[str, Sequence] = {}
         self._kv: dict[str, asyncio.Task] = {}
         self._t_prepare: dict[str, float] = {}
@@ -52,8 +45,8 @@ class MainDecode:
 
     async def prepare(self, req: GenRequest) -> MDPrepareReply:
         """Register a request: adopt its DRC prefix and expect the rest of the prompt over Flight."""
-        if req.request_id in self.seqs:
-            raise MDRequestError(f"request {req.request_id} is already registered at MD {self.index}")
+        if req.request_id in self.seqs:  # a re-delivery after a lost transfer: start the request over
+            await self._drop(req.request_id, cache=False)
         seq = self.engine.add(req.request_id, list(req.prompt_token_ids), req.params)
         hit = await self.worker.call(self.engine.match_prefix, seq) if self.engine.cache is not None else 0
         bs = self.engine.block_size
@@ -78,6 +71,11 @@ class MainDecode:
             return await asyncio.wait_for(asyncio.shield(task), timeout_s)
         except asyncio.TimeoutError:
             return KVReady(False, error=f"KV for {request_id} not complete after {timeout_s:.1f}s")
+        except asyncio.CancelledError:
+            if task.cancelled() and not asyncio.current_task().cancelling():
+                self._kv.pop(request_id, None)
+                return KVReady(False, error=f"the transfer of {request_id} was lost (Flight server restarted)")
+            raise
 
     async def _receive(self, request_id: str, seq: Sequence) -> KVReady:
         try:
@@ -143,6 +141,19 @@ class MainDecode:
         await self._drop(request_id, cache=False)
         return known
 
+    async def inject(self, fault: str) -> str:
+        """Fault injection for tests and the soak (policy.allow_fault_injection): `restart_flight`
+        closes the Flight server and opens a new one on another port; transfers in flight are lost."""
+        if not self.cfg.policy.allow_fault_injection:
+            raise PermissionError("fault injection is off (policy.allow_fault_injection)")
+        if fault != "restart_flight":
+            raise ValueError(f"unknown MD fault {fault!r}")
+        old, self.flight = self.flight, self._new_flight()
+        for task in list(self._kv.values()):
+            task.cancel()  # their requests get KVReady(ok=False) and are re-delivered by the router
+        old.close()
+        return self.flight.location
+
     def stats(self) -> ReplicaStats:
         e = self.engine
         return ReplicaStats("main_decode", len(self.seqs), e.pool.num_free, e.pool.num_blocks,
@@ -151,6 +162,14 @@ class MainDecode:
                              "flight_bytes_reserved": self.flight.bytes_reserved, **self.where})
 
     # ------------------------------------------------------------ helpers
+
+    def _new_flight(self):  # -> KVFlightServer
+        from pdd_serve.transport.flight import KVFlightServer
+
+        fl = self.cfg.flight
+        return KVFlightServer(fl.bind_host, fl.port, layout=self.engine.layout, token=fl.token,
+                              tls_cert=fl.tls_cert, tls_key=fl.tls_key, advertise_host=fl.advertise_host,
+                              max_bytes_per_request=fl.max_bytes_per_request, max_bytes_total=fl.max_bytes_total)
 
     def _seq(self, request_id: str) -> Sequence:
         seq = self.seqs.get(request_id)

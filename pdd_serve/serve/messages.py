@@ -60,8 +60,8 @@ class PrefillResult:
 @dataclass(frozen=True)
 class RelayRequest:
     req: GenRequest
-    first_token: int
-    kv_ref: Any  # ObjectRef from Prefill (same site, same object store)
+    committed: tuple[int, ...]  # output tokens the client has seen (the first comes from P)
+    kv_ref: Any  # ObjectRef of the prompt's KV from Prefill (same site, same object store)
 
 
 @dataclass(frozen=True)

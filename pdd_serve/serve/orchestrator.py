@@ -20,6 +20,7 @@ from typing import Any, Protocol, TypeVar
 
 from pdd_serve.config import PDDConfig
 from pdd_serve.engine.kv import block_hashes, blocks_needed
+from pdd_serve.engine.sampling import RequestError
 from pdd_serve.policy import LinkEstimate, MDStatus, catchup_done, choose_pipeline, pick_md, plan_handoff
 from pdd_serve.serve.messages import (
     GenRequest,
@@ -75,7 +76,8 @@ class PDDInfo:
     kv_ready_s: float | None = None
     handoff_s: float | None = None
     reason: str = ""
-    fallback: str | None = None
+    fallback: str | None = None  # the last fault path taken, with its cause
+    fallbacks: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self).items()}
@@ -99,6 +101,7 @@ class Orchestrator:
         self.relay_running = 0
         self.bg: set[asyncio.Task] = set()  # fire-and-forget cleanups, kept referenced
         self.timeout = cfg.policy.kv_wait_timeout_s
+        self.fallbacks: dict[str, int] = {}  # by kind, for metrics and the soak
 
     # ------------------------------------------------------------ entry point
 
@@ -124,7 +127,7 @@ class Orchestrator:
                 info.md_replica = md
                 info.prefix_hit_md = prep.hit_tokens / len(prompt)
                 target = KVTarget(prep.flight_location, prep.start_block)
-            pre = await self._bounded(self.b.prefill(PrefillRequest(gen, dec.pipeline != "P-MD", target)), "prefill")
+            pre = await self._prefill(st, PrefillRequest(gen, dec.pipeline != "P-MD", target))
             info.prefix_hit_p = pre.prefix_hit_tokens / len(prompt)
             info.wan_bytes = pre.wan_bytes
             info.ttft_s = time.monotonic() - st.t0
@@ -137,9 +140,9 @@ class Orchestrator:
                     prepared = False
                 return
             if dec.pipeline == "P-MD":
-                inner = self._from_md(st, md)
+                inner = self._from_md_recovering(st, md)
             elif dec.pipeline == "P-RLD":
-                inner = self._from_relay_only(st, pre)
+                inner = self._from_relay(st, pre.kv_ref)
             else:
                 inner = self._relay_then_md(st, md, pre, forced.get("handoff_mode"))
             # close the inner stream explicitly when the client leaves: its cleanup (cancel RLD,
@@ -150,14 +153,22 @@ class Orchestrator:
             prepared = False  # MD released the request itself (decode/absorb ended it)
         finally:
             if prepared and st.finish_reason is None:
-                self._background(self.b.md_abort(md, gen.request_id))
+                self._background(self.b.md_abort(info.md_replica if info.md_replica is not None else md,
+                                                 gen.request_id))
 
     # ------------------------------------------------------------ pipelines
 
     async def _from_md(self, st: RequestState, md: int) -> AsyncIterator[list[int]]:
+        """MD takes over from `committed` (it extends over what it lacks) and streams to the end."""
         it = self.b.md_decode(md, st.gen.request_id, list(st.committed), self.timeout).__aiter__()
         try:
-            async for chunk in it:
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(it.__anext__(), timeout=self.timeout)
+                except StopAsyncIteration:
+                    raise RuntimeError(f"MD {md} ended the stream of {st.gen.request_id} without a finish") from None
+                except asyncio.TimeoutError:
+                    raise TimeoutError(f"MD {md} sent nothing for {self.timeout:.0f}s") from None
                 if st.info.kv_ready_s is None:
                     st.info.kv_ready_s = time.monotonic() - st.t0
                 st.committed.extend(chunk.token_ids)
@@ -167,14 +178,46 @@ class Orchestrator:
                     st.finish_reason = chunk.finish_reason
                     return
         finally:
-            if st.finish_reason is None:  # the client left: stop MD decoding for nobody
+            if st.finish_reason is None:  # the client left or MD failed: stop MD decoding for nobody
                 await self._close(it)
 
-    async def _from_relay_only(self, st: RequestState, pre: PrefillResult) -> AsyncIterator[list[int]]:
-        it = self.b.relay(RelayRequest(st.gen, pre.first_token, pre.kv_ref)).__aiter__()
+    async def _from_md_recovering(self, st: RequestState, md: int) -> AsyncIterator[list[int]]:
+        """`_from_md`, surviving MD loss, a cut or stalled WAN and a restarted Flight server: the
+        committed token ids are all that must move, so the request migrates to an MD (KV resent
+        from P's prefix cache, then `extend`), or RLD finishes it when no MD can take it."""
+        migrations = 0
+        while True:
+            try:
+                async with contextlib.aclosing(self._from_md(st, md)) as stream:
+                    async for toks in stream:
+                        yield toks
+                return
+            except Exception as e:  # noqa: BLE001 - any MD-side failure takes the same lever
+                kind = "kv_timeout" if isinstance(e, TimeoutError) else "md_lost"
+                self._fallback(st, kind, f"MD {md}: {type(e).__name__}: {e}")
+                self._background(self.b.md_abort(md, st.gen.request_id))
+                migrations += 1
+                if migrations > self.cfg.policy.max_migrations or not self._relay_ok_or_md(md):
+                    break
+                try:
+                    md = await self._redeliver(st, avoid=md)
+                except Exception as e2:  # noqa: BLE001
+                    self._fallback(st, "md_unavailable", f"{type(e2).__name__}: {e2}")
+                    break
+        async with contextlib.aclosing(self._relay_takeover(st)) as stream:
+            async for toks in stream:
+                yield toks
+
+    async def _from_relay(self, st: RequestState, kv_ref: Any) -> AsyncIterator[list[int]]:
+        """RLD streams from the committed tokens to the end (P->RLD, or a takeover)."""
+        it = self.b.relay(RelayRequest(st.gen, tuple(st.committed), kv_ref)).__aiter__()
         self.relay_running += 1
         try:
-            async for chunk in it:
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(it.__anext__(), timeout=self.timeout)
+                except StopAsyncIteration:
+                    raise RuntimeError(f"relay ended the stream of {st.gen.request_id} without a finish") from None
                 st.committed.extend(chunk.token_ids)
                 st.info.eager_tokens += len(chunk.token_ids)
                 yield chunk.token_ids
@@ -186,35 +229,69 @@ class Orchestrator:
             if st.finish_reason is None:
                 await self._close(it)
 
+    async def _relay_takeover(self, st: RequestState) -> AsyncIterator[list[int]]:
+        """Last resort: P recomputes the prompt KV (mostly from its prefix cache) into the object
+        store and RLD finishes the request from the committed tokens."""
+        self._fallback(st, "relay_finish", st.info.fallback or "no MD can take the request")
+        pre = await self._prefill(st, PrefillRequest(st.gen, True, None))
+        async with contextlib.aclosing(self._from_relay(st, pre.kv_ref)) as stream:
+            async for toks in stream:
+                yield toks
+
+    async def _redeliver(self, st: RequestState, avoid: int) -> int:
+        """Register the request at a (preferably other) MD and have P resend the KV it lacks."""
+        gen = st.gen
+        prompt = list(gen.prompt_token_ids)
+        bs = self.cfg.model.block_size
+        statuses = await asyncio.gather(*(self._status(i, block_hashes(prompt, bs)) for i in range(self.b.num_md)))
+        others = [s for s in statuses if s.index != avoid and s.healthy]
+        md = pick_md(others or list(statuses), blocks_needed(len(prompt), bs), self.block_bytes, self.link)
+        prep = await self._bounded(self.b.md_prepare(md, gen), "MD prepare")
+        st.info.md_replica = md
+        pre = await self._prefill(st, PrefillRequest(gen, False, KVTarget(prep.flight_location, prep.start_block)))
+        if pre.first_token != st.committed[0]:  # determinism is the whole premise of token-ID handoff
+            raise RuntimeError(f"re-prefill gave first token {pre.first_token} != {st.committed[0]}")
+        st.info.wan_bytes += pre.wan_bytes
+        return md
+
     async def _relay_then_md(self, st: RequestState, md: int, pre: PrefillResult,
                              forced_mode: str | None) -> AsyncIterator[list[int]]:
         rid, pol = st.gen.request_id, self.cfg.policy
-        relay_it = self.b.relay(RelayRequest(st.gen, pre.first_token, pre.kv_ref)).__aiter__()
+        relay_it = self.b.relay(RelayRequest(st.gen, tuple(st.committed), pre.kv_ref)).__aiter__()
         self.relay_running += 1
-        nxt: asyncio.Task | None = _spawn(relay_it.__anext__())
-        kv: asyncio.Task = _spawn(self.b.md_wait_kv(md, rid, self.timeout))
-        batch: asyncio.Task | None = None
+        nxt: asyncio.Future | None = _spawn(relay_it.__anext__())
+        kv: asyncio.Future = _spawn(self.b.md_wait_kv(md, rid, self.timeout))
+        batch: asyncio.Future | None = None
         relay_open = True
         try:
             # Phase 1: eager tokens from RLD while the KV crawls to MD
-            while not kv.done():
-                await asyncio.wait({nxt, kv}, return_when=asyncio.FIRST_COMPLETED)
-                if nxt.done():
-                    toks, fin = self._take(st, nxt)
-                    if toks:
+            try:
+                while not kv.done():
+                    await self._wait_any(nxt, kv)
+                    if nxt.done():
+                        toks, fin = self._take(st, nxt)
+                        if toks:
+                            yield toks
+                        if fin:  # RLD finished it first: MD still absorbs it so the caches stay aligned
+                            self._background(self.b.md_absorb(md, rid, list(st.committed), self.timeout))
+                            return
+                        nxt = _spawn(relay_it.__anext__())
+            except Exception as e:  # noqa: BLE001 - RLD failed or saturated: MD takes the request
+                self._fallback(st, "relay_lost", f"{type(e).__name__}: {e}")
+                relay_open = await self._cut_relay(relay_it, nxt)
+                self.relay_running -= 1
+                async with contextlib.aclosing(self._from_md_recovering(st, md)) as stream:
+                    async for toks in stream:
                         yield toks
-                    if fin:  # RLD finished it first: MD still absorbs it so the caches stay aligned
-                        self._background(self.b.md_absorb(md, rid, list(st.committed), self.timeout))
-                        return
-                    nxt = _spawn(relay_it.__anext__())
+                return
             ready: KVReady = kv.result()
             st.info.kv_ready_s = time.monotonic() - st.t0
             t_handoff = time.monotonic()
             if not ready.ok:  # the KV did not make it in time: RLD finishes the request alone
-                st.info.fallback = f"relay finished: {ready.error}"
+                self._fallback(st, "kv_timeout", f"relay finished: {ready.error}")
                 self._background(self.b.md_abort(md, rid))
                 while True:
-                    await asyncio.wait({nxt})
+                    await self._wait_any(nxt)
                     toks, fin = self._take(st, nxt)
                     if toks:
                         yield toks
@@ -232,26 +309,38 @@ class Orchestrator:
                     batch = _spawn(self.b.md_handoff_batch(md, rid, send, self.timeout))
                     st.info.handoff_batches += 1
                     while not batch.done():
-                        await asyncio.wait({nxt, batch}, return_when=asyncio.FIRST_COMPLETED)
+                        await self._wait_any(nxt, batch)
                         if nxt.done():
                             toks, fin = self._take(st, nxt)
                             if toks:
                                 yield toks
                             if fin:
-                                await batch
+                                with contextlib.suppress(Exception):
+                                    await batch
                                 self._background(self.b.md_absorb(md, rid, list(st.committed), self.timeout))
                                 return
                             nxt = _spawn(relay_it.__anext__())
-                    md_has = batch.result()
+                    try:
+                        md_has = batch.result()
+                    except Exception as e:  # noqa: BLE001 - MD failed mid-handoff: RLD is still running
+                        self._fallback(st, "md_lost", f"catch-up batch: {type(e).__name__}: {e}")
+                        st.info.handoff_mode = "none"
+                        self._background(self.b.md_abort(md, rid))
+                        while True:
+                            await self._wait_any(nxt)
+                            toks, fin = self._take(st, nxt)
+                            if toks:
+                                yield toks
+                            if fin:
+                                return
+                            nxt = _spawn(relay_it.__anext__())
                     batch = None
             st.info.handoff_batches += 1  # the final extend carries the last token ids
             # Phase 3: cut RLD at what the client has seen; MD extends over the rest and goes on
-            nxt.cancel()
-            await self._close(relay_it)
-            relay_open = False
+            relay_open = await self._cut_relay(relay_it, nxt)
             self.relay_running -= 1
             first = True
-            async with contextlib.aclosing(self._from_md(st, md)) as from_md:
+            async with contextlib.aclosing(self._from_md_recovering(st, md)) as from_md:
                 async for toks in from_md:
                     if first:
                         st.info.handoff_s = time.monotonic() - t_handoff
@@ -266,6 +355,43 @@ class Orchestrator:
                 await self._close(relay_it)
 
     # ------------------------------------------------------------ helpers
+
+    async def _prefill(self, st: RequestState, preq: PrefillRequest) -> PrefillResult:
+        """Prefill with bounded retries: a replica that dies mid-prefill is retried on another
+        (or on the one Serve restores); MD's expected blocks are idempotent, so a resend is safe."""
+        last: Exception | None = None
+        for attempt in range(1 + self.cfg.policy.prefill_retries):
+            try:
+                return await self._bounded(self.b.prefill(preq), "prefill")
+            except (RequestError, ValueError):
+                raise  # the request itself is bad: no retry helps
+            except Exception as e:  # noqa: BLE001
+                last = e
+                self._fallback(st, "prefill_retry", f"{type(e).__name__}: {e}")
+                await asyncio.sleep(min(2.0, 0.25 * 2**attempt))
+        raise RuntimeError(f"prefill failed after {1 + self.cfg.policy.prefill_retries} attempts: {last}")
+
+    def _fallback(self, st: RequestState, kind: str, detail: str) -> None:
+        st.info.fallback = f"{kind}: {detail}"[:300]
+        st.info.fallbacks.append(kind)
+        self.fallbacks[kind] = self.fallbacks.get(kind, 0) + 1
+
+    def _relay_ok_or_md(self, failed_md: int) -> bool:
+        """Worth migrating to an MD at all? (With one MD, Serve restores it within the budget.)"""
+        return self.b.num_md > 1 or self.cfg.policy.kv_wait_timeout_s > 0
+
+    async def _wait_any(self, *futs: asyncio.Future | None) -> None:
+        """Wait for the first of `futs`; a silent decoder past the timeout is a failure."""
+        done, _ = await asyncio.wait([f for f in futs if f is not None], timeout=self.timeout,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if not done:
+            raise TimeoutError(f"no progress for {self.timeout:.0f}s")
+
+    async def _cut_relay(self, relay_it: Any, nxt: asyncio.Future | None) -> bool:
+        if nxt is not None and not nxt.done():
+            nxt.cancel()
+        await self._close(relay_it)
+        return False
 
     def _take(self, st: RequestState, nxt: asyncio.Task) -> tuple[list[int], bool]:
         """Commit a finished relay chunk; (tokens, finished)."""

@@ -3,6 +3,7 @@ store for Relay and streams the blocks MD lacks to MD over Flight, in parallel, 
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -19,11 +20,16 @@ from pdd_serve.serve.messages import KVTarget, PrefillRequest, PrefillResult, Re
 PREFILL_CHUNK_TOKENS = 256  # blocks of a chunk leave for MD while the next chunk computes
 
 
+class LinkCut(ConnectionError):
+    """An injected cut of the inter-site link (tests and the soak)."""
+
+
 class _BlockFeed:
     """Hands a request's finished blocks from the engine thread to its Flight sender thread."""
 
-    def __init__(self, target: KVTarget) -> None:
+    def __init__(self, target: KVTarget, fault: tuple[str, float] | None = None) -> None:
         self.target = target
+        self.fault = fault  # ("stall", seconds) | ("cut", 0): applied after the first run is sent
         self.next_block = target.start_block
         self.q: queue.Queue[KVBlocks | None] = queue.Queue()
         self.nbytes = 0
@@ -40,7 +46,15 @@ class _BlockFeed:
             self.q.put(None)
 
     def __iter__(self):
+        sent = 0
         while (run := self.q.get()) is not None:
+            if sent and self.fault is not None:  # mid-transfer: some blocks are already across
+                kind, seconds = self.fault
+                self.fault = None
+                if kind == "cut":
+                    raise LinkCut("injected: the inter-site link was cut mid-transfer")
+                time.sleep(seconds)
+            sent += 1
             yield run
 
 
@@ -53,6 +67,7 @@ class Prefill:
         self.where = placement()
         # one link per replica: all of this replica's transfers share its bandwidth
         self.link = cfg.link.build(self.engine.layout.bytes_per_token)
+        self.faults: dict[str, list[tuple[str, float]]] = {}
         self.transfers = {"started": 0, "done": 0, "failed": 0, "dropped": 0, "bytes": 0}
 
     async def prefill(self, preq: PrefillRequest) -> PrefillResult:
@@ -60,15 +75,22 @@ class Prefill:
 
         req = preq.req
         seq = self.engine.add(req.request_id, list(req.prompt_token_ids), req.params)
-        feed = _BlockFeed(preq.md_target) if preq.md_target is not None else None
+        feed = _BlockFeed(preq.md_target, self._take_fault("link")) if preq.md_target is not None else None
+        die = self._take_fault("die_in_prefill")
         if feed is not None:
             self._start_sender(req.request_id, feed)
         t0 = time.perf_counter()
         kv_ref = None
         try:
-            first = await self.worker.call(
-                self.engine.prefill, seq, chunk_tokens=PREFILL_CHUNK_TOKENS,
-                on_chunk=(lambda s: feed.on_chunk(self.engine, s)) if feed is not None else None)
+            def on_chunk(s: Sequence) -> None:
+                if die is not None:  # injected: the process dies mid-prefill, as on a lost host
+                    logger.warning("injected fault: prefill replica exits mid-prefill")
+                    os._exit(1)
+                if feed is not None:
+                    feed.on_chunk(self.engine, s)
+
+            first = await self.worker.call(self.engine.prefill, seq, chunk_tokens=PREFILL_CHUNK_TOKENS,
+                                           on_chunk=on_chunk)
             finish = seq.finish_reason  # read before release, which marks unfinished sequences aborted
             if preq.to_relay:
                 kv_ref = put_kv(await self.worker.call(self.engine.export_kv, seq))
@@ -102,6 +124,23 @@ class Prefill:
                 logger.warning("KV transfer of %s failed: %s", request_id, e)
 
         threading.Thread(target=send, name=f"kv-send-{request_id}", daemon=True).start()
+
+    def inject(self, fault: str, seconds: float = 0.0, count: int = 1) -> None:
+        """Fault injection for tests and the soak (policy.allow_fault_injection): the next `count`
+        transfers `stall` for `seconds` or are `cut` mid-transfer; `die_in_prefill` kills this
+        replica's process during the next prefill."""
+        if not self.cfg.policy.allow_fault_injection:
+            raise PermissionError("fault injection is off (policy.allow_fault_injection)")
+        if fault in ("stall", "cut"):
+            self.faults["link"] = [(fault, seconds)] * count
+        elif fault == "die_in_prefill":
+            self.faults["die_in_prefill"] = [("die", 0.0)] * count
+        else:
+            raise ValueError(f"unknown prefill fault {fault!r}")
+
+    def _take_fault(self, kind: str) -> tuple[str, float] | None:
+        pending = self.faults.get(kind)
+        return pending.pop() if pending else None
 
     def stats(self) -> ReplicaStats:
         e = self.engine

@@ -16,6 +16,10 @@ from pdd_serve.serve.common import load_engine, placement
 from pdd_serve.serve.messages import RelayRequest, ReplicaStats, TokenChunk
 
 
+class RelaySaturated(RuntimeError):
+    """The relay replica is at its admission limit; the router keeps the request on MD."""
+
+
 @serve.deployment(max_ongoing_requests=64)
 class Relay:
     def __init__(self, cfg: PDDConfig) -> None:
@@ -26,13 +30,20 @@ class Relay:
         self.where = placement()
         self.tokens_generated = 0
         self.live: set[str] = set()  # requests holding KV here
+        self.peak_live = 0
 
     async def generate(self, rreq: RelayRequest) -> AsyncIterator[TokenChunk]:
+        """Decode from the prompt KV in the object store, after the `committed` tokens, until the
+        request finishes or the router cuts the stream (the handoff)."""
         from pdd_serve.transport.object_store import get_kv
 
         req = rreq.req
+        if len(self.live) >= self.cfg.policy.relay_max_running:
+            # admission control: an overloaded relay pool is how PDD fails (PDD.md), so refuse
+            raise RelaySaturated(f"relay replica holds {len(self.live)} requests (policy.relay_max_running)")
         seq = self.engine.add(req.request_id, list(req.prompt_token_ids), req.params)
         self.live.add(req.request_id)
+        self.peak_live = max(self.peak_live, len(self.live))
         final: TokenChunk | None = None
         try:
             # a local object store read (zero-copy); off the event loop so other streams keep flowing
@@ -40,14 +51,23 @@ class Relay:
                                              layout=self.engine.layout)
             await self.worker.call(self.engine.import_kv, seq, blocks)
             del blocks
-            self.engine.append_tokens(seq, [rreq.first_token])
-            async with contextlib.aclosing(self.worker.decode(seq)) as steps:
-                async for step in steps:
-                    self.tokens_generated += len(step.token_ids)
-                    if step.finish_reason is not None:
-                        final = TokenChunk(step.token_ids, step.finish_reason)
-                        break
-                    yield TokenChunk(step.token_ids)
+            if len(rreq.committed) > 1:  # taking over mid-stream (a fallback): rebuild from token ids
+                tok = await self.worker.call(self.engine.extend, seq, list(rreq.committed))
+                self.tokens_generated += 1
+                if seq.finish_reason is not None:
+                    final = TokenChunk([tok], seq.finish_reason)
+                else:
+                    yield TokenChunk([tok])
+            else:
+                self.engine.append_tokens(seq, list(rreq.committed))
+            if final is None:
+                async with contextlib.aclosing(self.worker.decode(seq)) as steps:
+                    async for step in steps:
+                        self.tokens_generated += len(step.token_ids)
+                        if step.finish_reason is not None:
+                            final = TokenChunk(step.token_ids, step.finish_reason)
+                            break
+                        yield TokenChunk(step.token_ids)
         finally:
             await self.worker.release(seq, cache=False)
             self.live.discard(req.request_id)
@@ -57,4 +77,5 @@ class Relay:
     def stats(self) -> ReplicaStats:
         e = self.engine
         return ReplicaStats("relay", len(self.live), e.pool.num_free, e.pool.num_blocks,
-                            extra={"tokens_generated": self.tokens_generated, "live": sorted(self.live), **self.where})
+                            extra={"tokens_generated": self.tokens_generated, "live": sorted(self.live),
+                                   "peak_live": self.peak_live, **self.where})

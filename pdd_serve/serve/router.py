@@ -117,7 +117,7 @@ class Router:
         from pdd_serve.serve.common import placement
 
         return {"role": "router", "in_flight": self.in_flight, "relay_running": self.orch.relay_running,
-                **placement()}
+                "fallbacks": dict(self.orch.fallbacks), **placement()}
 
     # ------------------------------------------------------------ request handling
 

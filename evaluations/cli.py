@@ -1,0 +1,315 @@
+"""`pdd compare`, `pdd sweep hit-rate` and `pdd runs`: the evaluation subcommands.
+
+pdd_serve/cli.py appends EVAL_COMMANDS to its COMMANDS. This module stays light at import (argparse
+only): the evaluation modules, Ray, MLflow and matplotlib are imported when a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+
+class EvalCommand(NamedTuple):  # the shape of pdd_serve.cli.Command (not imported: no import cycle)
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+    description: str = ""
+
+
+def _usage(msg: str) -> Exception:
+    from pdd_serve.cli import UsageError
+
+    return UsageError(msg)
+
+
+# ---------------------------------------------------------------- shared arguments
+
+
+def _add_env(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster")
+    g.add_argument("--no-cluster", action="store_true",
+                   help="use the running cluster named by RAY_ADDRESS (eval \"$(pdd cluster env)\") instead of "
+                        "starting one; its Serve instance is taken over and shut down at the end")
+    g.add_argument("--cluster-port", type=int, default=6420, help="GCS port of the cluster started (default: %(default)s)")
+    g.add_argument("--state-dir", default=".pdd/eval-cluster", help="its state dir (default: %(default)s)")
+    g.add_argument("--http-port", type=int, default=8420, help="Serve HTTP port of the graphs (default: %(default)s)")
+    g.add_argument("--keep-cluster", action="store_true", help="leave the started cluster running")
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("graphs and link")
+    g.add_argument("--link", default=None,
+                   help="the emulated WAN for every cross-site graph: a preset name or a YAML mapping like the "
+                        "graphs' `link:` (default: graphs/pdd.yaml's)")
+    g = p.add_argument_group("SLA and cost")
+    g.add_argument("--sla-ttft", type=float, default=1.0, help="TTFT target, seconds (default: %(default)s)")
+    g.add_argument("--sla-tpot", type=float, default=0.1, help="TPOT target, seconds (default: %(default)s)")
+    g.add_argument("--chip", action="append", default=[], metavar="SITE=CHIP",
+                   help="chip at a site, from the catalog (default: a=cpu b=cpu); repeatable")
+    g.add_argument("--catalog", default=None, help="chip catalog YAML (default: evaluations/chips.yaml)")
+    g = p.add_argument_group("tracking and output")
+    g.add_argument("--experiment", default=None, help="MLflow experiment name")
+    g.add_argument("--tracking-uri", default=None,
+                   help="MLflow store (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
+    g.add_argument("--no-mlflow", action="store_true", help="don't log to MLflow")
+    g.add_argument("--out", default=None, help="directory for plots/tables (default: .pdd/eval/EXPERIMENT-TIME)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--timeout", type=float, default=300.0, help="per-request timeout, seconds (default: %(default)s)")
+    _add_env(p)
+
+
+def _chips(items: list[str]) -> tuple[tuple[str, str], ...]:
+    chips = {"a": "cpu", "b": "cpu"}
+    for it in items:
+        site, sep, chip = it.partition("=")
+        if not sep or not site or not chip:
+            raise _usage(f"--chip expects SITE=CHIP, got {it!r}")
+        chips[site] = chip
+    return tuple(sorted(chips.items()))
+
+
+def _common_kwargs(args: argparse.Namespace, default_experiment: str) -> dict[str, Any]:
+    from evaluations.cost import DEFAULT_CATALOG
+    from evaluations.harness import EvalEnv, parse_link
+    from evaluations.loadgen import SLA, LoadConfig
+
+    try:
+        return {"link": parse_link(args.link), "sla": SLA(args.sla_ttft, args.sla_tpot),
+                "load": LoadConfig(timeout_s=args.timeout),
+                "env": EvalEnv(args.cluster_port, args.state_dir, args.http_port, args.no_cluster, args.keep_cluster),
+                "site_chips": _chips(args.chip), "catalog": args.catalog or str(DEFAULT_CATALOG),
+                "experiment": args.experiment or default_experiment, "tracking_uri": args.tracking_uri,
+                "mlflow": not args.no_mlflow, "out_dir": args.out, "progress": not args.no_progress}
+    except ValueError as e:
+        raise _usage(str(e)) from None
+
+
+def _fail(cmd: str, e: Exception) -> int:
+    print(f"pdd {cmd}: {e}", file=sys.stderr)
+    return 1
+
+
+# ---------------------------------------------------------------- compare
+
+COMPARE_DESCRIPTION = """\
+Run one workload through pd_same_dc, pd_cross_dc and pdd (graphs/*.yaml) on the same emulated link,
+in one invocation on one local two-site cluster: each graph is deployed in turn with `serve run`
+(from a private copy of its YAML on --http-port), driven, and shut down. Prints a side-by-side table
+and ends with one JSON line: p90_ttft_vs_cross_dc, p50_ttft_vs_same_dc, goodput_vs_cross_dc,
+rld_token_share, outputs_identical (greedy token ids identical across graphs for every request),
+the same ratios on the time to the 2nd token (*_tt2t_*), BCR ratios and absolute figures.
+Every graph run is an MLflow run (params, metrics, TTFT CDF plot, per-request Parquet) under a
+parent run for the comparison; `pdd runs` lists them.
+
+Workloads:
+  agentic   multi-turn agent sessions with a target prefix-hit distribution (--hit), growing
+            contexts, cold documents (hit 0) and a share of anomalous long-input/short-output requests
+  mooncake  a slice of a Mooncake-format trace (--trace), hash ids mapped to token ids, token counts
+            scaled by --block-tokens/512
+"""
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    from evaluations.workloads import AgenticWorkload, TraceReplay
+
+    a, t = AgenticWorkload(), TraceReplay()
+    p.add_argument("--workload", choices=("agentic", "mooncake"), default="agentic", help="(default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help=f"agentic: output tokens per turn (default: {a.max_tokens})")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every graph this many times, alternating the order (default: %(default)s)")
+    p.add_argument("--graphs", default=None, help="comma-separated graph YAMLs (default: the three under graphs/)")
+    g = p.add_argument_group("agentic workload")
+    g.add_argument("--sessions", type=int, default=a.sessions, help="(default: %(default)s)")
+    g.add_argument("--turns", type=int, default=a.turns, help="(default: %(default)s)")
+    g.add_argument("--system-tokens", type=int, default=a.system_tokens, help="shared system prompt (default: %(default)s)")
+    g.add_argument("--hit", default=str(a.hit),
+                   help="target prefix-hit distribution, bands W:LO-HI,... or one value (default: %(default)s)")
+    g.add_argument("--anomalous-share", type=float, default=a.anomalous_share, help="(default: %(default)s)")
+    g.add_argument("--session-rate", type=float, default=a.session_rate, help="sessions per second (default: %(default)s)")
+    g.add_argument("--think-s", type=float, default=a.think_s, help="mean pause between turns (default: %(default)s)")
+    g = p.add_argument_group("mooncake trace replay")
+    g.add_argument("--trace", default=t.path, help="Mooncake-format JSONL (default: %(default)s)")
+    g.add_argument("--block-tokens", type=int, default=t.block_tokens,
+                   help="tokens per 512-token trace block: the input scale (default: %(default)s)")
+    g.add_argument("--output-scale", type=float, default=None, help="output-length scale (default: the input scale)")
+    g.add_argument("--max-output-tokens", type=int, default=t.max_output_tokens, help="(default: %(default)s)")
+    g.add_argument("--min-output-tokens", type=int, default=t.min_output_tokens, help="(default: %(default)s)")
+    g.add_argument("--start-s", type=float, default=0.0, help="trace window start, seconds (default: %(default)s)")
+    g.add_argument("--window-s", type=float, default=None, help="trace window length, seconds (default: no limit)")
+    g.add_argument("--max-requests", type=int, default=t.max_requests, help="request cap (default: %(default)s)")
+    g.add_argument("--arrival", choices=("trace", "poisson"), default="trace",
+                   help="trace timestamps or Poisson arrivals (default: %(default)s)")
+    g.add_argument("--time-scale", type=float, default=1.0, help="stretch the trace's gaps (default: %(default)s)")
+    g.add_argument("--rate", type=float, default=1.0, help="poisson: requests per second (default: %(default)s)")
+
+
+def _workload(args: argparse.Namespace) -> Any:
+    from evaluations.workloads import (
+        AgenticWorkload,
+        HitDistribution,
+        TraceError,
+        TraceReplay,
+        agentic_workload,
+        trace_workload,
+    )
+
+    try:
+        if args.workload == "agentic":
+            kw = {"max_tokens": args.max_tokens} if args.max_tokens else {}
+            return agentic_workload(AgenticWorkload(
+                sessions=args.sessions, turns=args.turns, system_tokens=args.system_tokens,
+                hit=HitDistribution.parse(args.hit), anomalous_share=args.anomalous_share,
+                session_rate=args.session_rate, think_s=args.think_s, seed=args.seed, **kw))
+        return trace_workload(TraceReplay(
+            path=args.trace, block_tokens=args.block_tokens, output_scale=args.output_scale,
+            min_output_tokens=args.min_output_tokens, max_output_tokens=args.max_output_tokens,
+            start_s=args.start_s, window_s=args.window_s, max_requests=args.max_requests, arrival=args.arrival,
+            time_scale=args.time_scale, rate=args.rate, seed=args.seed))
+    except TraceError as e:
+        raise _usage(f"pdd compare: error: {e}") from None
+    except ValueError as e:
+        raise _usage(f"pdd compare: error: {e}") from None
+
+
+def _add_compare(p: argparse.ArgumentParser) -> None:
+    _add_workload_args(p)
+    _add_common(p)
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    from evaluations.compare import CompareConfig, run_compare
+    from evaluations.cost import CatalogError
+    from evaluations.harness import DEFAULT_GRAPHS, EvalError
+    from pdd_serve.cluster import ClusterError
+
+    workload = _workload(args)
+    graphs = tuple(g.strip() for g in args.graphs.split(",") if g.strip()) if args.graphs else DEFAULT_GRAPHS
+    try:
+        cfg = CompareConfig(graphs=graphs, repeats=args.repeats, **_common_kwargs(args, "pdd-compare"))
+    except ValueError as e:
+        raise _usage(f"pdd compare: error: {e}") from None
+    try:
+        res = run_compare(workload, cfg)
+    except (EvalError, ClusterError, CatalogError) as e:
+        return _fail("compare", e)
+    return 1 if res["headline"]["mismatched_requests"] or any(
+        s["errors"] for s in res["summaries"].values()) else 0
+
+
+# ---------------------------------------------------------------- sweep
+
+SWEEP_DESCRIPTION = """\
+PDD's benefit over naive cross-DC PD as a function of the prefix-hit rate (PDD.md's bathtub).
+
+  pdd sweep hit-rate [--points 0,0.4,0.7,0.95] [--requests 6]
+
+Each point is a set of independent requests that all hit the given fraction of their prompt (a
+warm-up request puts the prefix into both caches first). pd_cross_dc and pdd are each deployed
+once and run every point; one MLflow run per point (both graphs' figures and the ratios) under a
+parent run with the plot; a table and one final JSON line.
+"""
+
+
+def _add_sweep(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="sweep_kind", metavar="KIND")
+    h = sub.add_parser("hit-rate", help="benefit vs prefix-hit rate", description=SWEEP_DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    from evaluations.sweep import SweepConfig
+
+    d = SweepConfig()
+    h.add_argument("--points", default=",".join(f"{x:g}" for x in d.points),
+                   help="hit rates, comma-separated (default: %(default)s)")
+    h.add_argument("--requests", type=int, default=d.requests, help="requests per point (default: %(default)s)")
+    h.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens, help="(default: %(default)s)")
+    h.add_argument("--max-tokens", type=int, default=d.max_tokens, help="(default: %(default)s)")
+    h.add_argument("--rate", type=float, default=d.rate, help="arrivals per second (default: %(default)s)")
+    h.add_argument("--seed", type=int, default=d.seed, help="(default: %(default)s)")
+    _add_common(h)
+    h.set_defaults(sweep_parser=h)
+    p.set_defaults(sweep_parser=p)
+
+
+def _run_sweep(args: argparse.Namespace) -> int:
+    if getattr(args, "sweep_kind", None) != "hit-rate":
+        args.sweep_parser.print_help(sys.stderr)
+        return 2
+    from evaluations.cost import CatalogError
+    from evaluations.harness import EvalError
+    from evaluations.sweep import SweepConfig, run_sweep
+    from pdd_serve.cluster import ClusterError
+
+    try:
+        points = tuple(float(x) for x in args.points.split(",") if x.strip())
+        cfg = SweepConfig(points=points, requests=args.requests, prompt_tokens=args.prompt_tokens,
+                          max_tokens=args.max_tokens, rate=args.rate, seed=args.seed,
+                          **_common_kwargs(args, "pdd-sweep-hit-rate"))
+    except ValueError as e:
+        raise _usage(f"pdd sweep hit-rate: error: {e}") from None
+    try:
+        res = run_sweep(cfg)
+    except (EvalError, ClusterError, CatalogError) as e:
+        return _fail("sweep hit-rate", e)
+    return 0 if res["final"]["outputs_identical"] else 1
+
+
+# ---------------------------------------------------------------- runs
+
+RUNS_DESCRIPTION = """\
+A summary table of the evaluation runs in the MLflow store ($MLFLOW_TRACKING_URI, else
+sqlite:///mlflow.db in the working directory), newest first: per-graph runs with their latency,
+goodput, BCR and RLD share; comparison runs with PDD's ratios to the baselines.
+
+For plots and side-by-side run comparison, browse the same store with
+  mlflow ui --backend-store-uri sqlite:///mlflow.db
+"""
+
+
+def _add_runs(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--experiment", action="append", default=None,
+                   help="experiment name (repeatable; default: every pdd-* experiment)")
+    p.add_argument("--limit", type=int, default=30, help="most recent runs to show (default: %(default)s)")
+    p.add_argument("--tracking-uri", default=None, help="MLflow store (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
+    p.add_argument("--json", action="store_true", help="print the runs as JSON lines instead")
+
+
+def _run_runs(args: argparse.Namespace) -> int:
+    import json
+
+    from evaluations.report import simple_table
+    from evaluations.tracking import RUN_COLUMNS, list_runs, tracking_uri
+
+    if args.limit <= 0:
+        raise _usage("pdd runs: error: --limit must be > 0")
+    try:
+        rows = list_runs(args.tracking_uri, args.experiment, args.limit)
+    except Exception as e:  # an unreachable or foreign store: say so in one line
+        return _fail("runs", f"cannot read the MLflow store {tracking_uri(args.tracking_uri)}: {type(e).__name__}: {e}")
+    if not rows:
+        print(f"no evaluation runs in {tracking_uri(args.tracking_uri)} (run `pdd compare` first)", file=sys.stderr)
+        return 0
+    if args.json:
+        for r in rows:
+            print(json.dumps(r, default=str))
+        return 0
+    for r in rows:
+        if r.get("workload.workload"):
+            r["workload"] = r["workload.workload"]
+        r["run"] = (r["run"] or "")[:40]
+    print(simple_table(rows, RUN_COLUMNS))
+    return 0
+
+
+EVAL_COMMANDS: list[EvalCommand] = [
+    EvalCommand("compare", "one workload through pd_same_dc, pd_cross_dc and pdd; table, MLflow, JSON line",
+                _add_compare, _run_compare, COMPARE_DESCRIPTION),
+    EvalCommand("sweep", "parameter sweeps: `pdd sweep hit-rate` (PDD's benefit vs prefix-hit rate)",
+                _add_sweep, _run_sweep, SWEEP_DESCRIPTION),
+    EvalCommand("runs", "summary table of the evaluation runs in the MLflow store", _add_runs, _run_runs,
+                RUNS_DESCRIPTION),
+]

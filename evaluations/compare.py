@@ -1,0 +1,263 @@
+"""`pdd compare`: one workload through pd_same_dc, pd_cross_dc and pdd on the same emulated link, in
+one invocation and one cluster; a side-by-side table, MLflow runs, and one final JSON line.
+
+The JSON line's ratio keys (PDD over a baseline) and the targets issue 5 set for them:
+  p90_ttft_vs_cross_dc <= 0.5, p50_ttft_vs_same_dc <= 1.3, goodput_vs_cross_dc >= 1.2,
+  rld_token_share <= 0.15, outputs_identical true.
+TTFT is the client's first token. The router streams Prefill's first token at once in every graph,
+so the wait for KV at a remote decoder is not in it but in the second token: the `*_tt2t_*` keys
+report that (see loadgen.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from evaluations.cost import DEFAULT_CATALOG, bcr, hardware_cost, load_catalog
+from evaluations.harness import (
+    DEFAULT_GRAPHS,
+    EvalEnv,
+    EvalError,
+    PreparedGraph,
+    eval_cluster,
+    link_params,
+    log_err,
+    policy_params,
+    prepare_graphs,
+    run_graph,
+)
+from evaluations.loadgen import SLA, LoadConfig, RequestRecord, makespan, summarize_run
+from evaluations.workloads import Workload
+
+SAME, CROSS, PDD = "pd_same_dc", "pd_cross_dc", "pdd"
+TARGETS: dict[str, tuple[str, float | bool]] = {
+    "p90_ttft_vs_cross_dc": ("<=", 0.5),
+    "p50_ttft_vs_same_dc": ("<=", 1.3),
+    "goodput_vs_cross_dc": (">=", 1.2),
+    "rld_token_share": ("<=", 0.15),
+    "outputs_identical": ("==", True),
+}
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    graphs: tuple[str, ...] = DEFAULT_GRAPHS
+    link: Any = None  # None: graphs/pdd.yaml's link for every cross-site graph
+    sla: SLA = field(default_factory=SLA)
+    load: LoadConfig = field(default_factory=LoadConfig)
+    env: EvalEnv = field(default_factory=EvalEnv)
+    repeats: int = 1  # graph order alternates between repeats (contention drifts on shared machines)
+    site_chips: tuple[tuple[str, str], ...] = (("a", "cpu"), ("b", "cpu"))
+    catalog: str = str(DEFAULT_CATALOG)
+    experiment: str = "pdd-compare"
+    tracking_uri: str | None = None
+    mlflow: bool = True
+    out_dir: str | None = None  # local copies of plots/tables; default .pdd/eval/<experiment>-<time>
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.graphs:
+            raise ValueError("CompareConfig.graphs must not be empty")
+        if self.repeats <= 0:
+            raise ValueError(f"CompareConfig.repeats must be > 0, got {self.repeats}")
+
+
+@dataclass
+class GraphResult:
+    graph: PreparedGraph
+    runs: list[list[RequestRecord]] = field(default_factory=list)  # one list per repeat
+
+    @property
+    def records(self) -> list[RequestRecord]:
+        return [r for run in self.runs for r in run]
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or (isinstance(a, float) and math.isnan(a)) or not b or math.isnan(b):
+        return None
+    return a / b
+
+
+def outputs_identity(results: Mapping[str, GraphResult]) -> tuple[bool, int, list[str]]:
+    """(identical, mismatched requests, examples): greedy token ids per (repeat, session, turn) equal
+    across every graph, and every request answered in every graph."""
+    maps = {}
+    for name, res in results.items():
+        maps[name] = {(i, *r.key): (r.token_ids if not r.error else None) for i, run in enumerate(res.runs) for r in run}
+    keys = set().union(*(m.keys() for m in maps.values()))
+    bad: list[str] = []
+    for k in sorted(keys):
+        outs = [m.get(k) for m in maps.values()]
+        if any(o is None for o in outs) or any(o != outs[0] for o in outs[1:]):
+            lens = {n: (None if m.get(k) is None else len(m[k])) for n, m in maps.items()}
+            bad.append(f"repeat {k[0]} {k[1]} turn {k[2]}: output lengths {lens}")
+    return not bad and bool(keys), len(bad), bad[:5]
+
+
+def summarize_graph(res: GraphResult, sla: SLA, site_chips: Mapping[str, str], catalog: Any) -> dict[str, Any]:
+    s = summarize_run(res.records, sla, makespan_s=sum(makespan(run) for run in res.runs))
+    cost = hardware_cost(res.graph.cfg, site_chips, catalog)
+    s["cost_per_hour_usd"] = cost.per_hour
+    s["bcr_req_per_usd"] = bcr(s["goodput_rps"], cost.per_hour)
+    s["wan_mb"] = s["wan_bytes"] / 1e6
+    return s
+
+
+def headline(summaries: Mapping[str, Mapping[str, Any]], identical: bool, mismatched: int) -> dict[str, Any]:
+    """The final JSON line: ratios (PDD over each baseline), absolute figures, targets met."""
+    p, c, s = (summaries.get(k, {}) for k in (PDD, CROSS, SAME))
+    out: dict[str, Any] = {
+        "p90_ttft_vs_cross_dc": _ratio(p.get("ttft_p90_s"), c.get("ttft_p90_s")),
+        "p50_ttft_vs_same_dc": _ratio(p.get("ttft_p50_s"), s.get("ttft_p50_s")),
+        "goodput_vs_cross_dc": _ratio(p.get("goodput_rps"), c.get("goodput_rps")),
+        "rld_token_share": p.get("rld_token_share"),
+        "outputs_identical": identical,
+        "p90_tt2t_vs_cross_dc": _ratio(p.get("tt2t_p90_s"), c.get("tt2t_p90_s")),
+        "p50_tt2t_vs_same_dc": _ratio(p.get("tt2t_p50_s"), s.get("tt2t_p50_s")),
+        "p90_e2e_vs_cross_dc": _ratio(p.get("e2e_p90_s"), c.get("e2e_p90_s")),
+        "goodput_vs_same_dc": _ratio(p.get("goodput_rps"), s.get("goodput_rps")),
+        "bcr_vs_cross_dc": _ratio(p.get("bcr_req_per_usd"), c.get("bcr_req_per_usd")),
+        "bcr_vs_same_dc": _ratio(p.get("bcr_req_per_usd"), s.get("bcr_req_per_usd")),
+        "wan_bytes_vs_cross_dc": _ratio(p.get("wan_bytes"), c.get("wan_bytes")),
+        "mismatched_requests": mismatched,
+    }
+    for g, summ in summaries.items():
+        for k in ("ttft_p50_s", "ttft_p90_s", "tt2t_p50_s", "tt2t_p90_s", "tpot_p50_s", "goodput_rps",
+                  "bcr_req_per_usd", "wan_bytes", "requests", "errors"):
+            out[f"{g}.{k}"] = summ.get(k)
+    met = {}
+    for k, (op, target) in TARGETS.items():
+        v = out.get(k)
+        met[k] = None if v is None else bool(v == target if op == "==" else (v <= target if op == "<=" else v >= target))
+    out["targets_met"] = met
+    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def common_params(workload: Workload, sla: SLA, load: LoadConfig, site_chips: Mapping[str, str],
+                  catalog_path: str, repeats: int) -> dict[str, Any]:
+    import os
+
+    out = {f"workload.{k}": v for k, v in workload.param_dict().items()}
+    out.update({"workload": workload.name, "sla.ttft_s": sla.ttft_s, "sla.tpot_s": sla.tpot_s,
+                "ignore_eos": load.ignore_eos, "repeats": repeats, "catalog": catalog_path,
+                "machine": f"{platform.machine()} {os.cpu_count()} CPUs", "git_commit": _git_commit()})
+    out.update({f"chip.{s}": c for s, c in site_chips.items()})
+    return out
+
+
+def run_compare(workload: Workload, cfg: CompareConfig = CompareConfig(),
+                log: Callable[[str], None] = log_err) -> dict[str, Any]:
+    """Run the comparison; print the table and the JSON line; return {summaries, headline, ...}."""
+    from evaluations.report import comparison_table, record_rows, ttft_cdf_plot, write_parquet
+
+    catalog = load_catalog(cfg.catalog)
+    site_chips = dict(cfg.site_chips)
+    out_dir = Path(cfg.out_dir or f".pdd/eval/{cfg.experiment}-{time.strftime('%Y%m%d-%H%M%S')}")
+    graphs = prepare_graphs(cfg.graphs, out_dir / "graphs", cfg.env.http_port, cfg.link)
+    for g in graphs:
+        hardware_cost(g.cfg, site_chips, catalog)  # an unknown chip fails now, not after the runs
+    tracker = None
+    if cfg.mlflow:
+        from evaluations.tracking import Tracker
+
+        tracker = Tracker(cfg.tracking_uri, cfg.experiment)  # a bad store fails before the long runs
+    results = {g.name: GraphResult(g) for g in graphs}
+    log(f"workload {workload.name}: {workload.num_requests} requests in {len(workload.sessions)} sessions "
+        f"(+{len(workload.warmup)} warm-up), graphs {', '.join(results)}, {cfg.repeats} repeat(s)")
+    with eval_cluster(cfg.env, log) as denv:
+        for rep in range(cfg.repeats):
+            order = graphs if rep % 2 == 0 else graphs[::-1]
+            for g in order:
+                t = time.monotonic()
+                (records,) = run_graph(g, denv, [workload], cfg.load, cfg.env, log, cfg.progress)
+                results[g.name].runs.append(records)
+                errs = sum(1 for r in records if r.error)
+                log(f"{g.name}: {len(records)} requests, {errs} errors ({time.monotonic() - t:.0f}s with deploy)")
+    summaries = {name: summarize_graph(res, cfg.sla, site_chips, catalog) for name, res in results.items()}
+    identical, mismatched, examples = outputs_identity(results)
+    for e in examples:
+        log(f"output mismatch: {e}")
+    head = headline(summaries, identical, mismatched)
+
+    # local artifacts (also logged to MLflow)
+    by_graph = {n: r.records for n, r in results.items()}
+    write_parquet([row for n, res in results.items() for i, run in enumerate(res.runs)
+                   for row in record_rows(run, graph=n, repeat=i)], out_dir / "requests.parquet")
+    cdf = ttft_cdf_plot(by_graph, out_dir / "ttft_cdf.png", f"{workload.name}: TTFT and 2nd-token CDF")
+    (out_dir / "summary.json").write_text(json.dumps({"summaries": summaries, "headline": head}, indent=2,
+                                                     default=str))
+    run_ids: dict[str, str] = {}
+    if tracker is not None:
+        run_ids = _log_compare(tracker, workload, cfg, results, summaries, head, catalog, site_chips, out_dir, cdf)
+        log(f"logged to MLflow {tracker.uri}, experiment {cfg.experiment} (parent run {run_ids.get('parent', '')})")
+    log(f"artifacts in {out_dir}")
+    print(comparison_table(summaries), flush=True)
+    print_targets(head)
+    print(json.dumps(head, sort_keys=False), flush=True)
+    return {"summaries": summaries, "headline": head, "results": results, "run_ids": run_ids, "out_dir": out_dir}
+
+
+def _log_compare(tracker: Any, workload: Workload, cfg: CompareConfig, results: Mapping[str, GraphResult],
+                 summaries: Mapping[str, Mapping[str, Any]], head: Mapping[str, Any], catalog: Any,
+                 site_chips: Mapping[str, str], out_dir: Path, cdf: Path) -> dict[str, str]:
+    from evaluations.report import record_rows, ttft_cdf_plot, write_parquet
+    from evaluations.tracking import flat_metrics
+
+    common = common_params(workload, cfg.sla, cfg.load, site_chips, cfg.catalog, cfg.repeats)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    parent = tracker.start(f"compare {workload.name} {stamp}", tags={"kind": "compare"})
+    ids = {"parent": parent}
+    try:
+        for name, res in results.items():
+            g = res.graph
+            run = tracker.start(f"{name} {workload.name} {stamp}", parent=parent, tags={"kind": "graph"})
+            ids[name] = run
+            cost = hardware_cost(g.cfg, site_chips, catalog)
+            params = {**common, "graph": name, "graph_file": str(g.source), **link_params(g),
+                      **policy_params(g.cfg), **cost.params()}
+            gdir = out_dir / name
+            rows = [row for i, r in enumerate(res.runs) for row in record_rows(r, graph=name, repeat=i)]
+            arts = [write_parquet(rows, gdir / "requests.parquet"),
+                    ttft_cdf_plot({name: res.records}, gdir / "ttft_cdf.png", f"{name}: {workload.name}"), g.path]
+            tracker.log(run, params, flat_metrics(summaries[name]), arts)
+            tracker.finish(run)
+        metrics = {k: v for k, v in head.items() if isinstance(v, (int, float)) or isinstance(v, bool)}
+        tracker.log(parent, {**common, "graphs": ",".join(results), "link": json.dumps(_first_link(results))},
+                    metrics, [cdf, out_dir / "requests.parquet", out_dir / "summary.json"])
+        tracker.finish(parent)
+    except Exception:
+        tracker.finish(parent, ok=False)
+        raise
+    return ids
+
+
+def _first_link(results: Mapping[str, GraphResult]) -> Any:
+    for res in results.values():
+        if res.graph.cross_site:
+            return res.graph.link
+    return None
+
+
+def print_targets(head: Mapping[str, Any], out: Callable[[str], None] = log_err) -> None:
+    for k, (op, target) in TARGETS.items():
+        met = head["targets_met"].get(k)
+        out(f"  {k:<22} {head.get(k)!s:>8}  target {op} {target}: {'met' if met else ('-' if met is None else 'MISSED')}")
+
+
+__all__: Sequence[str] = ("CompareConfig", "run_compare", "headline", "outputs_identity", "TARGETS", "EvalError")

@@ -1,0 +1,209 @@
+"""Running graphs for an evaluation: one local cluster (or a running one), each graph deployed in
+turn with `serve run` from a private copy of its YAML (own HTTP port, the shared link), driven,
+and shut down before the next."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from evaluations.loadgen import LoadConfig, RequestRecord, drive
+from evaluations.workloads import Workload
+from pdd_serve.config import ConfigError, PDDConfig, load_graph_yaml
+
+DEFAULT_GRAPHS = ("graphs/pd_same_dc.yaml", "graphs/pd_cross_dc.yaml", "graphs/pdd.yaml")
+LINK_SOURCE = "graphs/pdd.yaml"  # the emulated WAN every cross-site graph is run on, unless --link
+
+
+class EvalError(RuntimeError):
+    """An evaluation could not run; the message says what to do."""
+
+
+def log_err(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class EvalEnv:
+    """Where an evaluation runs. Not the defaults of `pdd cluster` (6390) or Serve (8000), so it
+    can run beside a developer's cluster on the same machine."""
+
+    cluster_port: int = 6420
+    state_dir: str = ".pdd/eval-cluster"
+    http_port: int = 8420
+    use_running_cluster: bool = False  # RAY_ADDRESS (+ auth vars) from the environment
+    keep_cluster: bool = False
+    deploy_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        for k in ("cluster_port", "http_port"):
+            v = getattr(self, k)
+            if not 1024 <= v <= 65535:
+                raise ValueError(f"EvalEnv.{k} must be in 1024..65535, got {v}")
+        if self.cluster_port == self.http_port:
+            raise ValueError("EvalEnv: cluster_port and http_port must differ")
+
+
+@contextlib.contextmanager
+def eval_cluster(env: EvalEnv, log: Callable[[str], None] = log_err) -> Iterator[dict[str, str]]:
+    """Yields the driver environment for `serve run`; Serve is shut down at the end either way."""
+    from pdd_serve.cluster import LocalClusterConfig, cluster_down, cluster_up, driver_env
+    from pdd_serve.demo import shutdown_serve
+
+    if env.use_running_cluster:
+        if not os.environ.get("RAY_ADDRESS"):
+            raise EvalError("--no-cluster needs a running cluster's driver environment: "
+                            "eval \"$(pdd cluster env)\" (RAY_ADDRESS, RAY_AUTH_MODE, RAY_AUTH_TOKEN_PATH)")
+        log(f"using the running cluster at {os.environ['RAY_ADDRESS']}")
+        try:
+            yield {}
+        finally:
+            shutdown_serve({})
+        return
+    cfg = LocalClusterConfig(port=env.cluster_port, state_dir=env.state_dir)
+    log(f"starting a local two-site cluster on port {env.cluster_port} (state in {env.state_dir}) ...")
+    info = cluster_up(cfg, log=log)
+    denv = driver_env(cfg)
+    try:
+        yield denv
+    finally:
+        shutdown_serve(denv)
+        if env.keep_cluster:
+            log(f"cluster left running at {info.address} (stop: pdd cluster down --state-dir {env.state_dir})")
+        else:
+            cluster_down(cfg)
+            log("cluster torn down")
+
+
+def parse_link(spec: str | None) -> Any:
+    """`--link`: a preset name, or a YAML/JSON mapping like the graphs' `link:` (None: pdd.yaml's)."""
+    import yaml
+
+    if spec is None:
+        return None
+    try:
+        v = yaml.safe_load(spec)
+    except yaml.YAMLError as e:
+        raise EvalError(f"--link {spec!r} is not a preset name or a YAML mapping: {e}") from None
+    if not isinstance(v, (str, dict)):
+        raise EvalError(f"--link {spec!r} must be a preset name or a mapping")
+    return v
+
+
+def default_link(root: Path = Path(".")) -> Any:
+    import yaml
+
+    doc = yaml.safe_load((root / LINK_SOURCE).read_text())
+    return doc["applications"][0]["args"]["link"]
+
+
+@dataclass(frozen=True)
+class PreparedGraph:
+    name: str  # the graph's own label (args.graph): pd_same_dc | pd_cross_dc | pdd | ...
+    source: Path
+    path: Path  # the private copy that is deployed
+    cfg: PDDConfig
+    link: Any  # the link spec as written in the deployed YAML
+
+    @property
+    def cross_site(self) -> bool:
+        return self.cfg.sites.prefill != self.cfg.sites.main_decode
+
+
+def prepare_graphs(paths: Sequence[str | Path], out_dir: Path, http_port: int, link: Any = None) -> list[PreparedGraph]:
+    """Private copies of the graph YAMLs: HTTP port `http_port`, and every cross-site graph on the
+    same link (`link`, else graphs/pdd.yaml's). Validated as the Router would load them."""
+    import yaml
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out: list[PreparedGraph] = []
+    for p in map(Path, paths):
+        if not p.is_file():
+            raise EvalError(f"graph {p} not found: run from the repository root or pass --graphs PATH,...")
+        try:
+            doc = yaml.safe_load(p.read_text())
+            load_graph_yaml(p)
+        except (ConfigError, yaml.YAMLError) as e:
+            raise EvalError(str(e)) from None
+        doc = copy.deepcopy(doc)
+        doc.setdefault("http_options", {})["port"] = http_port
+        args = doc["applications"][0].setdefault("args", {})
+        sites = args.get("sites") or {}
+        cross = sites.get("prefill", "a") != sites.get("main_decode", "b")
+        if cross:
+            args["link"] = link if link is not None else default_link(p.resolve().parents[1])
+        name = str(args.get("graph", p.stem))
+        dst = out_dir / f"{name}.yaml"
+        dst.write_text(f"# generated by pdd_serve evaluations from {p}\n" + yaml.safe_dump(doc, sort_keys=False))
+        try:
+            cfg = load_graph_yaml(dst)
+        except ConfigError as e:
+            raise EvalError(str(e)) from None
+        out.append(PreparedGraph(name, p, dst, cfg, args.get("link")))
+    names = [g.name for g in out]
+    if len(set(names)) != len(names):
+        raise EvalError(f"graphs must have distinct `graph:` labels, got {names}")
+    return out
+
+
+def link_params(g: PreparedGraph) -> dict[str, Any]:
+    """The emulated link as MLflow params (what was configured and what it amounts to)."""
+    out: dict[str, Any] = {"link": json.dumps(g.link, sort_keys=True) if not isinstance(g.link, str) else g.link}
+    try:
+        from pdd_serve.models import SPEC_FILE, default_model_path
+
+        spec = json.loads((default_model_path() / SPEC_FILE).read_text()) if g.cfg.model.path == "default" else {}
+        kv = int(spec.get("kv_bytes_per_token_fp32", 2048))
+    except Exception:  # params only: a missing spec must not stop a run
+        kv = 2048
+    lm = g.cfg.link.build(kv).config
+    out.update({"link.bandwidth_bps": lm.bandwidth_bps, "link.one_way_latency_s": lm.one_way_latency_s,
+                "link.jitter": lm.jitter, "link.sigma": lm.sigma, "link.epoch_s": lm.epoch_s,
+                "kv_bytes_per_token": kv})
+    return out
+
+
+def policy_params(cfg: PDDConfig) -> dict[str, Any]:
+    p = cfg.policy
+    return {"policy.pipelines": ",".join(p.pipelines), "policy.wan_budget_s": p.wan_budget_s,
+            "policy.handoff_mode": p.handoff_mode, "policy.handoff_token_threshold": p.handoff_token_threshold,
+            "policy.relay_max_running": p.relay_max_running, "policy.drc": p.drc,
+            "policy.anomalous_max_output_tokens": p.anomalous_max_output_tokens}
+
+
+def settle_for(graph: PreparedGraph) -> Callable[[list[RequestRecord]], float]:
+    """How long to wait after a warm-up: until its KV has crossed the link (with margin), because a
+    warm-up answered by the relay alone is absorbed into MD's cache only once its KV arrived."""
+    lm = graph.cfg.link.build(2048).config
+
+    def settle(warm: list[RequestRecord]) -> float:
+        if lm.bandwidth_bps is None:
+            return 1.0
+        wan = sum(int(r.pdd.get("wan_bytes") or 0) for r in warm)
+        return 2.0 + 1.5 * wan / (lm.bandwidth_bps / 8)
+
+    return settle
+
+
+def run_graph(graph: PreparedGraph, denv: dict[str, str], workloads: Sequence[Workload], load: LoadConfig,
+              env: EvalEnv, log: Callable[[str], None] = log_err, progress: bool = True) -> list[list[RequestRecord]]:
+    """Deploy one graph, drive each workload through it in order, shut it down."""
+    from pdd_serve.demo import DemoError, deploy_graph, shutdown_serve
+
+    shutdown_serve(denv)  # whatever ran before (a crashed earlier run, another app) goes
+    try:
+        url = deploy_graph(graph.path, denv, timeout_s=env.deploy_timeout_s, log=log)
+    except DemoError as e:
+        raise EvalError(str(e)) from None
+    try:
+        return [drive(url, w, load, desc=f"{graph.name} {w.name}", log=log, progress=progress,
+                      settle_s=settle_for(graph)) for w in workloads]
+    finally:
+        shutdown_serve(denv)

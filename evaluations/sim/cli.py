@@ -1,0 +1,313 @@
+"""`pdd simulate` and `pdd plan`: registered into pdd_serve.cli's COMMANDS by one line there.
+Argument parsing stays import-light; the simulator loads inside `run`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from pdd_serve.cli import Command, UsageError
+
+_SIM_DIR = Path(__file__).resolve().parent
+
+_SIMULATE_DESCRIPTION = """\
+Simulate PDD deployments at cluster scale with the real system's policy code (pdd_serve.policy,
+transport.link.LinkModel, engine.radix_cache.RadixCache) and a roofline chip model. Every
+assumption (chips, prices, model, workload, SLA, link) is in a scenario YAML, not in code.
+
+Modes:
+  pdd simulate --scenario report         the report's comparison: SLA goodput per deployment
+                                         (bisection on the arrival rate), BCR = goodput / cost,
+                                         latency at a common load, headline ratios vs PDD.md
+  pdd simulate --scenario report --rate 15
+                                         one run per deployment at 15 req/s (quick look)
+  pdd simulate --trace FILE.jsonl        replay a Mooncake-format trace at its own arrival times
+                                         (default scenario: mooncake); JSON has sim_seconds
+  pdd simulate --bathtub                 benefit (BCR) vs hit rate; writes a PNG
+
+Prints a table, then ONE final JSON line (bcr_gain, ttft_reduction, goodput_gain,
+rld_token_share, ...). Scenarios: evaluations/sim/scenarios/*.yaml; chips: evaluations/sim/chips.yaml.
+"""
+
+_PLAN_DESCRIPTION = """\
+Search P / RLD / MD counts and chip assignments (a site-A chip for P and RLD, a site-B chip for
+MD, from the scenario's `plan` section and the chip catalog with prices) for the highest BCR at a
+target load under the scenario's SLA, by simulation. Writes, under --out-dir:
+  graph.yaml          a Serve config in graphs/pdd.yaml's shape with the planned replica counts
+  cluster_nodes.yaml  node counts per site and chip (pdd.site labels) for a Ray cluster config
+  candidates.csv      every configuration simulated
+and logs the search to MLflow (one run; embedded default store sqlite:///mlflow.db in the working
+directory unless MLFLOW_TRACKING_URI is set). Ends with one JSON line.
+"""
+
+
+def _add_simulate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scenario", default=None,
+                   help="built-in name (report, mooncake, ...) or a YAML path (default: report; mooncake with --trace)")
+    p.add_argument("--trace", default=None, metavar="FILE", help="Mooncake-format JSONL trace to replay")
+    p.add_argument("--limit", type=int, default=None, help="replay only the first N trace requests")
+    p.add_argument("--rate", type=float, default=None, help="one run per deployment at this arrival rate (req/s)")
+    p.add_argument("--deployments", default=None, help="comma-separated subset of the scenario's deployments")
+    p.add_argument("--bathtub", action="store_true", help="sweep a constant hit rate; plot BCR vs hit")
+    p.add_argument("--tail-chunk", default=None,
+                   help="override scheduler.tail_chunk: alone|packed|padded (comma-separated with --bathtub)")
+    p.add_argument("--horizon", type=float, default=None, help="seconds of arrivals per goodput probe (override)")
+    p.add_argument("--plot", default=str(_SIM_DIR / "bathtub.png"), help="bathtub PNG path (default: %(default)s)")
+    p.add_argument("--out", default=None, metavar="JSON", help="also write the full result as JSON here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _add_plan(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scenario", default="report", help="built-in name or YAML path with a `plan` section (default: %(default)s)")
+    p.add_argument("--target-rps", type=float, default=None, help="load to plan for, req/s (default: plan.target_rps)")
+    p.add_argument("--pairs", default=None, help="only these chip assignments, e.g. chip-a:chip-b,chip-c:chip-b")
+    p.add_argument("--max-steps", type=int, default=None, help="simulations per assignment (default: plan.max_steps)")
+    p.add_argument("--out-dir", default="plan_out", help="where to write graph.yaml etc. (default: %(default)s)")
+    p.add_argument("--template", default=None, help="graph YAML to fill (default: graphs/pdd.yaml of this checkout)")
+    p.add_argument("--no-mlflow", action="store_true", help="skip MLflow logging")
+    p.add_argument("--experiment", default="pdd-plan", help="MLflow experiment (default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _load(name: str):  # -> Scenario
+    from evaluations.sim.config import SimConfigError, load_scenario
+
+    try:
+        return load_scenario(name)
+    except SimConfigError as e:
+        raise UsageError(f"pdd: error: {e}") from None
+
+
+def _num(v: Any) -> Any:
+    if isinstance(v, float):
+        return None if math.isnan(v) else (v if math.isfinite(v) else str(v))
+    if isinstance(v, dict):
+        return {k: _num(x) for k, x in v.items() if not str(k).startswith("_")}
+    if isinstance(v, (list, tuple)):
+        return [_num(x) for x in v]
+    return v
+
+
+def _json_line(d: dict[str, Any]) -> str:
+    return json.dumps(_num(d), separators=(",", ":"))
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    modes = sum(bool(x) for x in (args.trace, args.rate is not None, args.bathtub))
+    if modes > 1:
+        raise UsageError("pdd simulate: error: --trace, --rate and --bathtub are separate modes; pick one")
+    if args.rate is not None and not (args.rate > 0 and math.isfinite(args.rate)):
+        raise UsageError("pdd simulate: error: --rate must be > 0")
+    if args.limit is not None and args.limit <= 0:
+        raise UsageError("pdd simulate: error: --limit must be > 0")
+    if args.horizon is not None and args.horizon <= 0:
+        raise UsageError("pdd simulate: error: --horizon must be > 0")
+    if args.trace and not Path(args.trace).is_file():
+        raise UsageError(f"pdd simulate: error: --trace {args.trace}: no such file")
+    from evaluations.sim.config import TAIL_CHUNK_MODES, SimConfigError
+    from evaluations.sim.report import (
+        format_report,
+        format_trace,
+        plot_bathtub,
+        run_bathtub,
+        run_report,
+        run_trace,
+        simulate,
+        with_tail_mode,
+    )
+    from evaluations.sim.workload import synthetic
+
+    sc = _load(args.scenario or ("mooncake" if args.trace else "report"))
+    tails = args.tail_chunk.split(",") if args.tail_chunk else []
+    bad = [t for t in tails if t not in TAIL_CHUNK_MODES]
+    if bad or (len(tails) > 1 and not args.bathtub):
+        raise UsageError(f"pdd simulate: error: --tail-chunk must be one of {', '.join(TAIL_CHUNK_MODES)}"
+                         + (" (several only with --bathtub)" if not bad else f", got {bad[0]!r}"))
+    if len(tails) == 1:
+        sc = with_tail_mode(sc, tails[0])
+    deps = args.deployments.split(",") if args.deployments else None
+    for d in deps or []:
+        if d not in sc.deployments:
+            raise UsageError(f"pdd simulate: error: --deployments: {d!r} is not in {sc.path} "
+                             f"(has {', '.join(sc.deployments)})")
+    if args.horizon:
+        sc = dataclasses.replace(sc, goodput={**sc.goodput, "horizon_s": args.horizon},
+                                 bathtub={**sc.bathtub, "horizon_s": args.horizon})
+    progress = not args.no_progress
+    try:
+        if args.trace:
+            res = run_trace(sc, args.trace, args.limit, progress, deps)
+            print(format_trace(res))
+            rows = res["rows"]
+            out = {"scenario": sc.name, "trace": args.trace, "requests": res["requests"],
+                   "sim_seconds": round(res["sim_seconds"], 2)}
+            out.update(_ratios(sc, rows))
+            out["deployments"] = {n: _brief(s) for n, s in rows.items()}
+        elif args.rate is not None:
+            rows = {}
+            warm = float(sc.goodput.get("warmup_s", 0.0))
+            from evaluations.sim.report import requests_for
+
+            n = requests_for(args.rate, float(sc.goodput.get("horizon_s", 240.0)))
+            for name in deps or list(sc.deployments):
+                s, _ = simulate(sc, sc.deployments[name], synthetic(sc.workload, rate_rps=args.rate, requests=n),
+                                progress=progress, warmup_s=warm)
+                s["cost_per_hour"] = sc.cost_per_hour(sc.deployments[name])
+                s["chips"] = ""
+                rows[name] = s
+            res = {"rows": rows, "label": f"{sc.name} at {args.rate:g} req/s, {n} requests", "sim_seconds":
+                   sum(s["sim_seconds"] for s in rows.values()), "requests": n, "span_s": n / args.rate}
+            print(format_trace(res))
+            out = {"scenario": sc.name, "rate_rps": args.rate, **_ratios(sc, rows),
+                   "sim_seconds": round(res["sim_seconds"], 2), "deployments": {k: _brief(s) for k, s in rows.items()}}
+        elif args.bathtub:
+            curves = {}
+            for mode in tails or [sc.scheduler.tail_chunk]:
+                curves[f"tail {mode}"] = run_bathtub(with_tail_mode(sc, mode), progress, deployments=deps)
+            png = plot_bathtub(curves, args.plot, f"{sc.name}: benefit vs hit rate "
+                               f"(chunk {sc.scheduler.prefill_chunk_tokens} tokens)")
+            print(_format_bathtub(curves))
+            res = {"curves": curves}
+            out = {"scenario": sc.name, "plot": str(png),
+                   "bathtub": {label: [{"hit": r["hit"], **{d: round(r[d]["bcr"], 5) for d in c["deployments"]}}
+                                       for r in c["rows"]] for label, c in curves.items()}}
+        else:
+            if deps:
+                sc = dataclasses.replace(sc, deployments={k: v for k, v in sc.deployments.items() if k in deps})
+                for k in ("subject", "cost_baseline", "latency_baseline"):
+                    if sc.compare.get(k) not in sc.deployments:
+                        raise UsageError(f"pdd simulate: error: --deployments must keep compare.{k} "
+                                         f"({sc.compare.get(k)}) for the report")
+            res = run_report(sc, progress)
+            print(format_report(res))
+            out = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in res["headline"].items()}
+            out["reference"] = res["reference"]
+    except SimConfigError as e:
+        raise UsageError(f"pdd simulate: error: {e}") from None
+    if args.out:
+        Path(args.out).write_text(json.dumps(_num(res), indent=1, default=str))
+    print(_json_line(out))
+    return 0
+
+
+def _brief(s: dict[str, Any]) -> dict[str, Any]:
+    keys = ("ttft_p50", "ttft_p90", "ttft_p99", "tpot_p90", "attainment", "rld_token_share", "hit_p", "hit_md",
+            "wan_gb", "sim_seconds", "pipelines")
+    return {k: (round(s[k], 4) if isinstance(s[k], float) else s[k]) for k in keys if k in s}
+
+
+def _ratios(sc: Any, rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Latency ratios at one load (goodput and BCR need the report's rate search)."""
+    c = sc.compare
+    sub, lat = rows.get(c.get("subject", "pdd")), rows.get(c.get("latency_baseline", "cross_dc_pd"))
+    out: dict[str, Any] = {}
+    if sub is not None:
+        out["rld_token_share"] = round(sub["rld_token_share"], 4)
+    if sub is not None and lat is not None and lat["ttft_p90"] > 0:
+        out["ttft_reduction"] = round(1 - sub["ttft_p90"] / lat["ttft_p90"], 4)
+    return out
+
+
+def _format_bathtub(curves: dict[str, dict[str, Any]]) -> str:
+    lines = []
+    for label, c in curves.items():
+        deps = c["deployments"]
+        lines.append(f"bathtub, {label}: BCR = SLA goodput (req/s) per cost/h")
+        lines.append(f"{'hit':>6}" + "".join(f"{d + ' rps':>16}{d + ' BCR':>14}" for d in deps)
+                     + (f"{'gain':>9}" if len(deps) >= 2 else ""))
+        for r in c["rows"]:
+            line = f"{r['hit']:>6.2f}" + "".join(f"{r[d]['goodput_rps']:>16.2f}{r[d]['bcr']:>14.4f}" for d in deps)
+            if len(deps) >= 2 and r[deps[1]]["bcr"] > 0:
+                line += f"{r[deps[0]]['bcr'] / r[deps[1]]['bcr'] - 1:>+9.1%}"
+            lines.append(line)
+    return "\n".join(lines)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    import yaml
+
+    if args.target_rps is not None and not (args.target_rps > 0 and math.isfinite(args.target_rps)):
+        raise UsageError("pdd plan: error: --target-rps must be > 0")
+    if args.max_steps is not None and args.max_steps <= 0:
+        raise UsageError("pdd plan: error: --max-steps must be > 0")
+    from evaluations.sim.config import SimConfigError
+    from evaluations.sim.planner import cluster_nodes, graph_yaml, log_mlflow, plan
+
+    sc = _load(args.scenario)
+    pairs = None
+    if args.pairs:
+        try:
+            pairs = [tuple(x.split(":")) for x in args.pairs.split(",")]
+            assert all(len(p) == 2 for p in pairs)
+        except AssertionError:
+            raise UsageError("pdd plan: error: --pairs takes SITE_A_CHIP:SITE_B_CHIP[,...]") from None
+        for a, b in pairs:
+            for c in (a, b):
+                if c not in sc.chips:
+                    raise UsageError(f"pdd plan: error: --pairs: unknown chip {c!r}; catalog: {', '.join(sc.chips)}")
+    template = Path(args.template) if args.template else Path(__file__).resolve().parents[2] / "graphs" / "pdd.yaml"
+    if not template.is_file():
+        raise UsageError(f"pdd plan: error: --template {template}: no such file")
+    try:
+        res = plan(sc, args.target_rps, args.max_steps, not args.no_progress, pairs)  # type: ignore[arg-type]
+    except SimConfigError as e:
+        raise UsageError(f"pdd plan: error: {e}") from None
+    print(f"{'chip A':<8}{'chip B':<8}{'P':>4}{'RLD':>5}{'MD':>5}{'cost/h':>9}{'attain':>8}{'TTFT p90':>10}{'TPOT p90':>10}  step")
+    for c in res.candidates:
+        r = c.row()
+        print(f"{r['chip_a']:<8}{r['chip_b']:<8}{r['n_prefill']:>4}{r['n_relay']:>5}{r['n_main_decode']:>5}"
+              f"{r['cost_per_hour']:>9.2f}{r['attainment']:>8.1%}{r['ttft_p90']:>9.2f}s{r['tpot_p90'] * 1e3:>8.1f}ms"
+              f"  {r['why']}{'' if r['feasible'] else '  (misses SLA)'}")
+    out: dict[str, Any] = {"scenario": sc.name, "target_rps": res.target_rps, "candidates": len(res.candidates)}
+    if res.best is None:
+        print("no configuration met the SLA within --max-steps", file=sys.stderr)
+        print(_json_line({**out, "best": None}))
+        return 1
+    od = Path(args.out_dir)
+    od.mkdir(parents=True, exist_ok=True)
+    g = od / "graph.yaml"
+    g.write_text(graph_yaml(sc, res, template))
+    n = od / "cluster_nodes.yaml"
+    n.write_text("# Node counts for a Ray cluster launcher config (merge node_config per cloud).\n"
+                 + yaml.safe_dump(cluster_nodes(sc, res), sort_keys=False))
+    csv_path = od / "candidates.csv"
+    import csv
+
+    with csv_path.open("w", newline="") as f:
+        rows = [c.row() for c in res.candidates]
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    b = res.best
+    print(f"\nbest: P {b.counts['prefill']} x {b.chip_a}, RLD {b.counts['relay']} x {b.chip_a}, "
+          f"MD {b.counts['main_decode']} x {b.chip_b}; cost {b.cost:.2f}/h; SLA goodput {res.best_goodput_rps:.2f} req/s; "
+          f"BCR {res.best_bcr:.4f}")
+    if res.reference:
+        print(f"scenario's {res.reference['name']}: cost {res.reference['cost_per_hour']:.2f}/h, "
+              f"goodput {res.reference['goodput_rps']:.2f} req/s, BCR {res.reference['bcr']:.4f}")
+    print(f"wrote {g}, {n}, {csv_path}")
+    run_id = None
+    if not args.no_mlflow:
+        run_id = log_mlflow(sc, res, [g, n, csv_path], args.experiment)
+    out.update({"best": {"chip_a": b.chip_a, "chip_b": b.chip_b, **b.counts}, "cost_per_hour": round(b.cost, 3),
+                "goodput_rps": round(res.best_goodput_rps, 3), "bcr": round(res.best_bcr, 5),
+                "reference_bcr": round(res.reference.get("bcr", float("nan")), 5) if res.reference else None,
+                "bcr_gain_vs_reference": (round(res.best_bcr / res.reference["bcr"] - 1, 4)
+                                          if res.reference and res.reference["bcr"] > 0 else None),
+                "graph_yaml": str(g), "cluster_nodes": str(n), "mlflow_run_id": run_id})
+    print(_json_line(out))
+    return 0
+
+
+SIM_COMMANDS: list[Command] = [
+    Command("simulate", "cluster-scale simulation: the report's comparison, a trace, or the bathtub curve",
+            _add_simulate, _run_simulate, _SIMULATE_DESCRIPTION),
+    Command("plan", "search P/RLD/MD counts and chips for the highest BCR; write a graph YAML",
+            _add_plan, _run_plan, _PLAN_DESCRIPTION),
+]

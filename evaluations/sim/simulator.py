@@ -1,0 +1,619 @@
+"""Discrete-event simulation of one deployment (P, RLD, MD instances and the inter-site line)
+driven by pdd_serve's own policy: `choose_pipeline`, `pick_md`, `plan_handoff`, `catchup_done`
+(and, through choose_pipeline, `is_anomalous`) decide exactly as the Router's orchestrator does;
+KV transfers take `LinkModel.transfer_time`; P's prefix cache and MD's DRC are `RadixCache`s.
+
+Instances:
+- Prefill: a FIFO of jobs run as chunked forwards (a token budget per forward, short prompts
+  packed together, a long prompt's tail chunk alone / packed / padded per the scheduler spec).
+- Decode (RLD, MD, or the same-DC decode pool): continuous batching. Between two membership
+  changes the step times form a closed-form series (roofline.StepSeries), so an instance wakes
+  only when a sequence finishes or when a join, cancel or extend is waiting for a step boundary.
+  Extends (handoff batches, the final extend, absorbs) run between steps, like pdd_serve's
+  EngineWorker, and stall the batch while they run.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from evaluations.sim.config import ChipSpec, DeploymentSpec, ModelSpec, Scenario
+from evaluations.sim.roofline import (
+    StepSeries,
+    decode_series,
+    kv_capacity_tokens,
+    kv_copy_time,
+    prefill_time,
+)
+from evaluations.sim.workload import SimRequest, Workload
+from pdd_serve.engine.kv import blocks_needed
+from pdd_serve.engine.radix_cache import RadixCache
+from pdd_serve.policy import LinkEstimate, MDStatus, catchup_done, choose_pipeline, pick_md, plan_handoff
+
+INF = math.inf
+_NO_EVICT = 1 << 62  # the caches evict in bulk at a watermark (see _cache_insert), not per insert
+
+
+# ---------------------------------------------------------------- prefill
+
+
+@dataclass(slots=True, eq=False)
+class _PJob:
+    req: SimRequest
+    total: int  # uncached prompt tokens
+    ctx0: int  # cached tokens before them
+    done: int = 0  # tokens scheduled so far
+    t_first_chunk: float = -1.0
+
+
+class PrefillInstance:
+    def __init__(self, sim: Simulation, idx: int, chip: ChipSpec, n_chips: int, cache: RadixCache, cache_bytes: float):
+        self.sim, self.idx, self.chip, self.n = sim, idx, chip, n_chips
+        self.cache, self.cache_bytes = cache, cache_bytes
+        self.q: deque[_PJob] = deque()
+        self.busy = False
+        self.backlog = 0  # queued uncached tokens: the router's load signal
+        self.forwards = 0
+        self.busy_s = 0.0
+        self.bucket_free = 0.0  # pdd_serve's per-Prefill link pacer: its transfers queue here
+
+    def submit(self, job: _PJob) -> None:
+        self.q.append(job)
+        self.backlog += job.total
+        if not self.busy:
+            self._start()
+
+    def _form(self) -> tuple[list[tuple[_PJob, int, int]], list[tuple[int, int]]]:
+        """The next forward's pieces (job, new tokens, context) and what they cost (padding)."""
+        budget = self.sim.chunk
+        mode = self.sim.tail_mode
+        pieces: list[tuple[_PJob, int, int]] = []
+        q = self.q
+        while q and budget > 0:
+            job = q[0]
+            rem = job.total - job.done
+            ctx = job.ctx0 + job.done
+            if rem >= budget:  # a full chunk (or the rest of the budget): the forward is full
+                pieces.append((job, budget, ctx))
+                job.done += budget
+                if job.done == job.total:
+                    q.popleft()
+                break
+            if job.done > 0 and mode != "packed":  # a tail chunk: never batched with others
+                if pieces:
+                    break
+                q.popleft()
+                job.done = job.total
+                pieces.append((job, rem, ctx))
+                cost = [(self.sim.chunk, ctx)] if mode == "padded" else [(rem, ctx)]
+                return pieces, cost
+            q.popleft()
+            job.done = job.total
+            pieces.append((job, rem, ctx))
+            budget -= rem
+            if not self.sim.batch_requests:
+                break
+        return pieces, [(n, c) for _, n, c in pieces]
+
+    def _start(self) -> None:
+        pieces, cost = self._form()
+        if not pieces:
+            self.busy = False
+            return
+        self.busy = True
+        dt = prefill_time(self.chip, self.sim.model, self.n, cost)
+        self.forwards += 1
+        self.busy_s += dt
+        self.sim.at(self.sim.now + dt, self._done, pieces)
+
+    def _done(self, pieces: list[tuple[_PJob, int, int]]) -> None:
+        now = self.sim.now
+        for job, n, ctx in pieces:
+            self.backlog -= n
+            if job.t_first_chunk < 0:
+                job.t_first_chunk = now
+            if ctx + n == job.ctx0 + job.total:
+                self.sim._prefill_done(job, self)
+        self._start()
+
+
+# ---------------------------------------------------------------- decode
+
+
+@dataclass(slots=True, eq=False)
+class _Member:
+    req: SimRequest
+    remaining: int  # tokens this instance is to generate
+    ctx: int  # KV tokens when it joins
+    on_join: Callable[[_Member, float], None] | None = None
+    on_finish: Callable[[_Member, float], None] | None = None
+    join_step: int = -1
+    finish_step: int = -1
+    joined: bool = False
+    cancelled: bool = False
+    done: bool = False
+
+
+class DecodeInstance:
+    def __init__(self, sim: Simulation, idx: int, role: str, chip: ChipSpec, n_chips: int, max_batch: int,
+                 cache: RadixCache | None = None, cache_bytes: float = 0.0):
+        self.sim, self.idx, self.role, self.chip, self.n = sim, idx, role, chip, n_chips
+        self.cap_tokens = kv_capacity_tokens(chip, sim.model, n_chips, sim.sc.scheduler.mem_reserve_fraction)
+        self.max_batch = max_batch
+        self.cache, self.cache_bytes = cache, cache_bytes
+        self.members: dict[int, _Member] = {}
+        self.fin: list[tuple[int, int]] = []  # (finish step, rid); stale entries skipped
+        self.step = 0  # steps completed when the current segment started
+        self.seg_t0 = 0.0
+        self.series: StepSeries | None = None
+        self.ctx = 0  # KV tokens of the members at seg_t0
+        self.reserved = 0  # prompt + output tokens reserved by members (admission control)
+        self.waiting: deque[_Member] = deque()
+        self.ops: deque[tuple[float, Callable[..., None], tuple]] = deque()
+        self.busy_until = 0.0  # end of the running block of extends
+        self.wake_t = INF
+        self.ver = 0
+        self.assigned = 0  # requests routed here, not yet released (MDStatus.running)
+        self.tokens = 0
+        self.peak_batch = 0
+
+    # ---- requests from the simulation
+
+    def join(self, m: _Member) -> None:
+        if m.cancelled:
+            return
+        self.waiting.append(m)
+        self._poke()
+
+    def op(self, cost: float, cb: Callable[..., None], *args: Any) -> None:
+        self.ops.append((cost, cb, args))
+        self._poke()
+
+    def cancel(self, m: _Member) -> None:
+        """Stop generating for m (the handoff's cut); it leaves the batch at the next boundary."""
+        m.cancelled = True
+        if m.joined and not m.done:
+            self._poke()
+
+    def tokens_by(self, m: _Member, t: float) -> int:
+        if not m.joined:
+            return 0
+        if m.done:
+            return m.remaining
+        steps = self.step - m.join_step
+        if self.series is not None and t > self.seg_t0:
+            steps += self.series.steps_within(t - self.seg_t0, self._seg_cap())
+        return min(m.remaining, max(0, steps))
+
+    # ---- the engine loop
+
+    def _seg_cap(self) -> int:
+        while self.fin:
+            fs, rid = self.fin[0]
+            m = self.members.get(rid)
+            if m is not None and not m.cancelled and m.finish_step == fs:
+                return fs - self.step
+            heapq.heappop(self.fin)
+        return 1 << 30  # only cancelled members left: they leave at the next boundary
+
+    def _poke(self) -> None:
+        now = self.sim.now
+        if self.series is None or now < self.seg_t0:
+            tb = max(now, self.busy_until, self.seg_t0 if self.series is not None else now)
+        else:
+            dt = now - self.seg_t0
+            j = self.series.steps_within(dt, self._seg_cap())
+            done = self.series.time(j)
+            tb = self.seg_t0 + (done if done >= dt - 1e-12 else self.series.time(j + 1))
+        if tb < self.wake_t - 1e-12:
+            self._schedule(tb)
+
+    def _schedule(self, t: float) -> None:
+        self.ver += 1
+        self.wake_t = t
+        self.sim.at(t, self._wake, self.ver)
+
+    def _wake(self, ver: int) -> None:
+        if ver != self.ver:
+            return
+        self.wake_t = INF
+        now = self.sim.now
+        if now < self.busy_until:  # woken inside a block of extends: resume at its end
+            self._schedule(self.busy_until)
+            return
+        # 1. advance the running segment to this boundary
+        if self.series is not None and now >= self.seg_t0:
+            j = self.series.steps_within(now - self.seg_t0, self._seg_cap())
+            self.step += j
+            self.ctx += len(self.members) * j
+            self.tokens += len(self.members) * j
+        self.series = None
+        # 2. finished and cancelled members leave
+        while self.fin and self.fin[0][0] <= self.step:
+            fs, rid = heapq.heappop(self.fin)
+            m = self.members.get(rid)
+            if m is None or m.cancelled or m.finish_step != fs:
+                continue
+            self._remove(m)
+            if m.on_finish is not None:
+                m.on_finish(m, now)
+        for m in [m for m in self.members.values() if m.cancelled]:
+            self._remove(m)
+        # 3. queued extends run now, back to back; decoding resumes after them
+        t = now
+        while self.ops:
+            cost, cb, args = self.ops.popleft()
+            t += cost
+            self.sim.at(t, cb, *args)
+        self.busy_until = t
+        # 4. admission (FIFO): batch cap and KV memory
+        while self.waiting:
+            m = self.waiting[0]
+            if m.cancelled:
+                self.waiting.popleft()
+                continue
+            need = m.ctx + m.remaining
+            if self.members and (len(self.members) >= self.max_batch or self.reserved + need > self.cap_tokens):
+                break
+            self.waiting.popleft()
+            m.joined, m.join_step, m.finish_step = True, self.step, self.step + m.remaining
+            self.members[m.req.rid] = m
+            heapq.heappush(self.fin, (m.finish_step, m.req.rid))
+            self.ctx += m.ctx
+            self.reserved += need
+            if m.on_join is not None:
+                m.on_join(m, t)
+        self.peak_batch = max(self.peak_batch, len(self.members))
+        # 5. the next segment
+        self.seg_t0 = t
+        if self.members:
+            self.series = decode_series(self.chip, self.sim.model, self.n, len(self.members), self.ctx)
+            self._schedule(t + self.series.time(self._seg_cap()))
+        elif t > now and (self.waiting or self.ops):
+            self._schedule(t)
+
+    def _remove(self, m: _Member) -> None:
+        del self.members[m.req.rid]
+        m.done = True
+        made = self.step - m.join_step
+        if m.cancelled:
+            m.remaining = min(m.remaining, made)  # what was generated before the cut is what counts
+        self.ctx -= m.ctx + made
+        self.reserved -= m.ctx + m.finish_step - m.join_step
+
+
+# ---------------------------------------------------------------- the simulation
+
+
+class Simulation:
+    """One deployment under one workload. `run()` returns the requests with their outcomes."""
+
+    def __init__(self, sc: Scenario, dep: DeploymentSpec, wl: Workload, progress: bool = False):
+        self.sc, self.dep, self.wl = sc, dep, wl
+        self.model: ModelSpec = sc.model
+        self.pol = dep.policy
+        sched = sc.scheduler
+        self.chunk, self.tail_mode = sched.prefill_chunk_tokens, sched.tail_chunk
+        self.batch_requests = sched.prefill_batch_requests
+        self.bs = wl.block_size
+        self.block_bytes = self.bs * self.model.kv_bytes_per_token
+        ls = sc.links[dep.link]
+        self.cross = ls.cross_site
+        self.link = ls.build(self.model.kv_bytes_per_token) if self.cross else None
+        bw = self.link.bandwidth_bps if self.link is not None else None
+        self.lat = self.link.config.one_way_latency_s if self.link is not None else 0.0
+        # the Router's estimate: the nominal line (pdd_serve's router seeds its estimator with it)
+        self.est = LinkEstimate(INF if bw is None else bw / 8, self.lat)
+        self.line_bps = ls.line_gbps * 1e9 if ls.line_gbps else None
+        self.line_free = 0.0
+        self.per_prefill = ls.per_prefill_bucket
+        cache_bytes = sched.prefix_cache_gb * 1e9
+
+        def cache() -> RadixCache:
+            return RadixCache(self.bs, self.block_bytes, _NO_EVICT)
+
+        roles = dep.roles()
+        chips = sc.chips
+        rp, rm = roles["prefill"], roles["main_decode"]
+        self.ps = [PrefillInstance(self, i, chips[rp.chip], rp.chips_per_instance, cache(), cache_bytes)
+                   for i in range(rp.instances)]
+        self.drc = self.pol.drc
+        self.mds = [DecodeInstance(self, i, "main_decode", chips[rm.chip], rm.chips_per_instance, sched.decode_max_batch,
+                                   cache() if self.drc else None, cache_bytes) for i in range(rm.instances)]
+        rr = roles.get("relay")
+        self.relays = ([DecodeInstance(self, i, "relay", chips[rr.chip], rr.chips_per_instance, sched.decode_max_batch)
+                        for i in range(rr.instances)] if rr is not None else [])
+        mean_len = sum(r.prompt + r.output for r in wl.requests) / max(1, len(wl.requests))
+        self.md_capacity = max(1, min(sched.decode_max_batch, int(self.mds[0].cap_tokens // max(1.0, mean_len))))
+        self.relay_running = 0  # the orchestrator's counter: relay streams open
+        self.relay_member: dict[int, _Member] = {}
+        self.now = 0.0
+        self.heap: list[tuple[float, int, Callable[..., None], tuple]] = []
+        self._seq = itertools.count()
+        self.events = 0
+        self.backsteps = 0  # events that would have run in the past (must stay 0)
+        self.completed = 0
+        self.progress = progress
+        self.wall_s = 0.0
+        for f, blocks in wl.warm:  # the benchmark's shared prefixes are cached before it starts
+            self._cache_insert(self.ps[f % len(self.ps)], blocks)
+            if self.drc:
+                self._cache_insert(self.mds[f % len(self.mds)], blocks)
+
+    # ---- event loop
+
+    def at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
+        heapq.heappush(self.heap, (t, next(self._seq), fn, args))
+
+    def run(self) -> list[SimRequest]:
+        t0 = time.perf_counter()
+        reqs = self.wl.requests
+        for r in reqs:
+            self.at(r.arrival, self._arrive, r)
+        bar = None
+        if self.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(reqs), desc=f"sim {self.dep.name}", unit="req", leave=False)
+        heap = self.heap
+        last = 0
+        while heap:
+            t, _, fn, args = heapq.heappop(heap)
+            if t < self.now - 1e-9:
+                self.backsteps += 1
+            else:
+                self.now = t
+            fn(*args)
+            self.events += 1
+            if bar is not None and self.completed - last >= 200:
+                bar.update(self.completed - last)
+                last = self.completed
+        if bar is not None:
+            bar.update(self.completed - last)
+            bar.close()
+        self.wall_s = time.perf_counter() - t0
+        return reqs
+
+    # ---- caches
+
+    def _cache_insert(self, inst: PrefillInstance | DecodeInstance, blocks: tuple[int, ...]) -> None:
+        """Insert with bulk LRU eviction at a watermark: RadixCache.evict scans its leaves, so
+        evicting a slack's worth at once keeps a long trace fast (SGLang evicts in bulk too)."""
+        c = inst.cache
+        if c is None or not blocks:
+            return
+        cap = inst.cache_bytes
+        slack = self.sc.scheduler.cache_slack
+        if c.used_bytes + len(blocks) * c.block_bytes > cap * (1 + slack):
+            c.evict(int(c.used_bytes + len(blocks) * c.block_bytes - cap * (1 - slack)))
+        if len(blocks) * c.block_bytes <= cap * (1 + slack):
+            c.insert(list(blocks), [0] * len(blocks))
+
+    def _hit_tokens(self, r: SimRequest, k_blocks: int) -> int:
+        return min(k_blocks * self.bs, r.prompt - 1)  # the last prompt token is always computed
+
+    # ---- the Router's decisions (policy.py) and the pipelines
+
+    def _md_hit_blocks(self, md: DecodeInstance, r: SimRequest) -> int:
+        if r.fixed_hit_md is not None:
+            return r.fixed_hit_md // self.bs
+        return md.cache.peek(list(r.blocks)) if md.cache is not None else 0
+
+    def _arrive(self, r: SimRequest) -> None:
+        prompt_blocks = blocks_needed(r.prompt, self.bs)
+        statuses = [MDStatus(i, self._md_hit_blocks(md, r), md.assigned, self.md_capacity)
+                    for i, md in enumerate(self.mds)]
+        mdi = pick_md(statuses, prompt_blocks, self.block_bytes, self.est)
+        missing = max(0, prompt_blocks - statuses[mdi].hit_blocks) * self.block_bytes
+        dec = choose_pipeline(r.prompt, r.output, missing, self.est, self.relay_running, self.pol)
+        r.pipeline, r.reason = dec.pipeline, dec.reason
+        if dec.pipeline != "P-RLD":
+            md = self.mds[mdi]
+            md.assigned += 1
+            r.md = mdi
+            if r.fixed_hit_md is not None:
+                k = r.fixed_hit_md // self.bs
+            elif md.cache is not None:
+                k = len(md.cache.match_hashes(list(r.blocks)).hashes)
+            else:
+                k = 0
+            r.hit_md = min(k * self.bs, r.prompt)
+            r.wan_bytes = max(0, prompt_blocks - k) * self.block_bytes
+        p = self._pick_prefill(r)
+        r.p = p.idx
+        if r.fixed_hit_p is not None:
+            r.hit_p = min(r.fixed_hit_p, r.prompt - 1)
+        else:
+            r.hit_p = self._hit_tokens(r, len(p.cache.match_hashes(list(r.blocks)).hashes))
+        p.submit(_PJob(r, r.prompt - r.hit_p, r.hit_p))
+
+    def _pick_prefill(self, r: SimRequest) -> PrefillInstance:
+        """Not in policy.py (pdd_serve has one Prefill deployment behind Serve's balancer): at
+        cluster scale the sim routes by prefix affinity + backlog, cost = queued + uncached tokens."""
+        if len(self.ps) == 1:
+            return self.ps[0]
+        blocks = list(r.blocks)
+        best, best_cost = self.ps[0], INF
+        for p in self.ps:
+            hit = r.fixed_hit_p if r.fixed_hit_p is not None else self._hit_tokens(r, p.cache.peek(blocks))
+            cost = p.backlog + r.prompt - hit
+            if cost < best_cost:
+                best, best_cost = p, cost
+        return best
+
+    def _kv_arrival(self, r: SimRequest, job: _PJob, p: PrefillInstance) -> float:
+        """When the last KV block MD lacks lands at MD. Blocks stream as chunks finish (from the
+        first chunk on), the last chunk can't leave before the prefill ends, and the line (and
+        pdd_serve's per-Prefill pacer, when modelled) queues transfers."""
+        now = self.now
+        nbytes = r.wan_bytes
+        last = min(nbytes, self.chunk * self.model.kv_bytes_per_token)
+        if self.link is None:
+            src, dst = p.chip, self.mds[r.md].chip
+            return max(job.t_first_chunk + kv_copy_time(nbytes, src, dst), now + kv_copy_time(last, src, dst))
+        start = job.t_first_chunk
+        if self.per_prefill:
+            start = max(start, p.bucket_free)
+        end = max(start + self.link.transfer_time(nbytes, start), now + self.link.transfer_time(last, now))
+        if self.line_bps is not None and nbytes > 0:
+            self.line_free = max(self.line_free, start) + nbytes * 8 / self.line_bps
+            end = max(end, self.line_free + self.lat)
+        if self.per_prefill:
+            p.bucket_free = end - self.lat
+        return end
+
+    def _prefill_done(self, job: _PJob, p: PrefillInstance) -> None:
+        r, now = job.req, self.now
+        r.t_prefill_done = r.t_first_prefill = now
+        self._cache_insert(p, r.blocks)
+        if r.pipeline != "P-RLD":
+            self.at(self._kv_arrival(r, job, p), self._kv_at_md, r)
+        if r.output <= 1:  # P's token was the whole answer
+            r.t_first_decoder = now
+            self._finish(r, now)
+            return
+        if r.pipeline in ("P-RLD-MD", "P-RLD"):
+            self.relay_running += 1
+            rl = min(self.relays, key=lambda x: (x.assigned, x.idx))
+            rl.assigned += 1
+            r.relay = rl.idx
+            m = _Member(r, r.output - 1, r.prompt + 1, self._relay_joined, self._relay_finished)
+            self.relay_member[r.rid] = m
+            copy = kv_copy_time(r.prompt * self.model.kv_bytes_per_token, p.chip, rl.chip)
+            self.at(now + copy, rl.join, m)
+
+    # ---- relay
+
+    def _relay_joined(self, m: _Member, t: float) -> None:
+        if m.req.t_first_decoder < 0:
+            m.req.t_first_decoder = t
+
+    def _relay_finished(self, m: _Member, t: float) -> None:
+        r = m.req
+        r.rld_tokens = m.remaining
+        self._relay_release(r)
+        self._finish(r, t)
+
+    def _relay_release(self, r: SimRequest) -> None:
+        self.relay_running -= 1
+        self.relays[r.relay].assigned -= 1
+
+    # ---- main decode
+
+    def _md_member(self, r: SimRequest, remaining: int, ctx: int) -> _Member:
+        return _Member(r, remaining, ctx, self._md_joined, self._md_finished)
+
+    def _md_joined(self, m: _Member, t: float) -> None:
+        r = m.req
+        if r.t_first_decoder < 0:
+            r.t_first_decoder = t + self.lat  # MD's tokens reach the client through the router at A
+
+    def _md_finished(self, m: _Member, t: float) -> None:
+        r = m.req
+        r.md_tokens += m.remaining
+        self._md_release(r)
+        self._finish(r, t + self.lat)
+
+    def _md_release(self, r: SimRequest, cache: bool = True) -> None:
+        md = self.mds[r.md]
+        md.assigned -= 1
+        if cache and self.drc:
+            self._cache_insert(md, r.blocks)
+
+    def _extend_cost(self, md: DecodeInstance, tokens: int, ctx: int) -> float:
+        return prefill_time(md.chip, self.model, md.n, [(max(1, tokens), ctx)])
+
+    def _kv_at_md(self, r: SimRequest) -> None:
+        now = self.now
+        r.t_kv_md = now
+        md = self.mds[r.md]
+        late = now - r.t_prefill_done > self.pol.kv_wait_timeout_s
+        if r.finished:  # P's token ended it, or RLD finished first: MD absorbs so the caches stay aligned
+            if r.output > 1 and not late:
+                md.op(self._extend_cost(md, r.output - 1, r.prompt), self._md_release, r)
+            else:
+                self._md_release(r, cache=not late)
+            return
+        if r.pipeline == "P-MD":
+            if late:  # MD's bounded KV wait expires: the request fails (no relay to fall back on)
+                r.fallback = "failed: KV wait timeout"
+                self._md_release(r, cache=False)
+                self._finish(r, now)
+                return
+            r.md_tokens = 0
+            md.join(self._md_member(r, r.output - 1, r.prompt + 1))
+            return
+        if late:  # P-RLD-MD: RLD finishes the request alone
+            r.fallback = "relay finished: KV wait timeout"
+            self._md_release(r, cache=False)
+            return
+        rm = self.relay_member[r.rid]
+        eager = self.relays[r.relay].tokens_by(rm, now)
+        r.handoff_mode = plan_handoff(eager, self.relay_running, self.pol)
+        if r.handoff_mode == "catch-up":
+            self._catchup_round(r, 0)
+        else:
+            self._final_handoff(r, 0)
+
+    def _catchup_round(self, r: SimRequest, md_has: int) -> None:
+        md = self.mds[r.md]
+        if r.finished:  # RLD finished during catch-up: MD absorbs the rest
+            md.op(self._extend_cost(md, r.output - 1 - md_has, r.prompt + md_has), self._md_release, r)
+            return
+        rm = self.relay_member[r.rid]
+        committed = 1 + self.relays[r.relay].tokens_by(rm, self.now)
+        pending = committed - md_has
+        if catchup_done(pending, self.pol):
+            self._final_handoff(r, md_has)
+            return
+        send = pending - 1  # the last committed token stays back: the final extend needs its logits
+        r.handoff_batches += 1
+        cost = self._extend_cost(md, send, r.prompt + md_has)
+        self.at(self.now + self.lat, md.op, cost, self._catchup_reply, r, md_has + send)
+
+    def _catchup_reply(self, r: SimRequest, md_has: int) -> None:
+        self.at(self.now + self.lat, self._catchup_round, r, md_has)
+
+    def _final_handoff(self, r: SimRequest, md_has: int) -> None:
+        """Cut RLD at what the client has seen; MD extends over the rest and decodes on."""
+        now = self.now
+        rl, rm, md = self.relays[r.relay], self.relay_member[r.rid], self.mds[r.md]
+        r.handoff_batches += 1
+        committed = 1 + rl.tokens_by(rm, now)
+        rl.cancel(rm)
+        r.rld_tokens = committed - 1
+        self._relay_release(r)
+        if committed >= r.output:  # RLD produced the last token at this very instant
+            self._finish(r, now)
+            md.op(self._extend_cost(md, r.output - 1 - md_has, r.prompt + md_has), self._md_release, r)
+            return
+        cost = self._extend_cost(md, committed - md_has, r.prompt + md_has)
+        self.at(now + self.lat, md.op, cost, self._md_takeover, r, committed, now)
+
+    def _md_takeover(self, r: SimRequest, committed: int, t_cut: float) -> None:
+        now = self.now
+        md = self.mds[r.md]
+        r.md_tokens = 1  # the final extend samples the next token
+        r.max_gap_s = max(r.max_gap_s, now + self.lat - t_cut)
+        left = r.output - committed - 1
+        if left <= 0:
+            self._md_release(r)
+            self._finish(r, now + self.lat)
+            return
+        md.join(self._md_member(r, left, r.prompt + committed + 1))
+
+    # ---- bookkeeping
+
+    def _finish(self, r: SimRequest, t: float) -> None:
+        r.finished += 1
+        if r.finished > 1:
+            raise AssertionError(f"request {r.rid} finished twice")
+        r.t_done = t
+        self.completed += 1

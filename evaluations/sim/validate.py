@@ -1,0 +1,388 @@
+"""Sim vs real: replay a real run's requests through the simulator and compare.
+
+    python -m evaluations.sim.validate RECORDS [--scenario cpu_validate] [--graph pdd] [--sla-ttft 1 --sla-tpot 0.1]
+    python -m evaluations.sim.validate --calibrate          # measure the CPU engine, fit cpu_small.yaml
+    python -m evaluations.sim.validate --make-synthetic OUT.parquet   # a record file to test the plumbing
+
+RECORDS: Parquet / CSV / JSON / JSONL, one row per request, the columns of
+evaluations.loadgen.RequestRecord.as_row() (what `pdd compare` writes to requests.parquet):
+  t_send_s (arrival offset, s), prompt_tokens, output_tokens (or max_tokens), ttft_s, tpot_s,
+  error, pdd_pipeline, pdd_prefix_hit_p, pdd_prefix_hit_md, and `graph` when several graphs share
+  the file. The requests are replayed at their arrival times with their measured prefix hits (the
+  hits are replayed, not re-derived: the caches' contents before the run are unknown), through the
+  scenario deployment named like the graph, on the `cpu-small` chip fitted from engine timings.
+Prints predicted vs measured TTFT P50/P90 and SLA goodput with relative errors, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from evaluations.sim.config import SIM_DIR, ChipSpec, ModelSpec, Scenario, SimConfigError, load_scenario
+from evaluations.sim.workload import SimRequest, Workload
+
+CPU_CATALOG = SIM_DIR / "cpu_small.yaml"
+REQUIRED = ("prompt_tokens", "ttft_s")
+
+
+# ---------------------------------------------------------------- records
+
+
+def read_records(path: str | Path) -> list[dict[str, Any]]:
+    path = Path(path)
+    if not path.is_file():
+        raise SimConfigError(f"{path}: no such record file")
+    suf = path.suffix.lower()
+    if suf == ".parquet":
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(path).to_pylist()
+    elif suf == ".csv":
+        with path.open(newline="") as f:
+            rows = [{k: _cell(v) for k, v in r.items()} for r in csv.DictReader(f)]
+    elif suf in (".json", ".jsonl"):
+        text = path.read_text().strip()
+        rows = json.loads(text) if text.startswith("[") else [json.loads(x) for x in text.splitlines() if x.strip()]
+    else:
+        raise SimConfigError(f"{path}: unknown record format {suf!r} (parquet, csv, json, jsonl)")
+    if not rows:
+        raise SimConfigError(f"{path}: holds no records")
+    missing = [c for c in REQUIRED if c not in rows[0]]
+    if missing:
+        raise SimConfigError(f"{path}: missing column(s) {', '.join(missing)}; expected RequestRecord.as_row() columns")
+    if "t_send_s" not in rows[0] and "arrival_s" not in rows[0]:
+        raise SimConfigError(f"{path}: needs an arrival column (t_send_s or arrival_s)")
+    return rows
+
+
+def _cell(v: str) -> Any:
+    if v == "":
+        return None
+    for cast in (int, float):
+        try:
+            return cast(v)
+        except ValueError:
+            pass
+    return v
+
+
+def _f(row: dict[str, Any], *keys: str, default: float | None = None) -> float | None:
+    for k in keys:
+        v = row.get(k)
+        if v is not None and not (isinstance(v, float) and math.isnan(v)):
+            return float(v)
+    return default
+
+
+def records_to_workload(rows: list[dict[str, Any]], block_size: int) -> Workload:
+    """The measured requests at their arrival times, with their measured prefix hits."""
+    reqs = []
+    arr = [(_f(r, "t_send_s", "arrival_s", default=0.0) or 0.0) for r in rows]
+    t0 = min(arr)
+    order = sorted(range(len(rows)), key=lambda i: arr[i])
+    for rid, i in enumerate(order):
+        r = rows[i]
+        prompt = max(1, int(_f(r, "prompt_tokens", default=1) or 1))
+        out = int(_f(r, "output_tokens", default=0) or 0) or int(_f(r, "max_tokens", default=1) or 1)
+        hp = _f(r, "pdd_prefix_hit_p", "planned_hit", default=0.0) or 0.0
+        hm = _f(r, "pdd_prefix_hit_md", default=hp) or 0.0
+        reqs.append(SimRequest(rid, arr[i] - t0, prompt, max(1, out), (), "record",
+                               fixed_hit_p=int(round(hp * prompt)), fixed_hit_md=int(round(hm * prompt))))
+    return Workload(reqs, [], block_size, f"{len(reqs)} recorded requests")
+
+
+def measured(rows: list[dict[str, Any]], ttft_s: float, tpot_s: float) -> dict[str, Any]:
+    """The real run's figures, computed like loadgen.summarize_run (goodput over the makespan)."""
+    ok = [r for r in rows if not r.get("error")]
+    ttfts = [float(r["ttft_s"]) for r in ok if r.get("ttft_s") is not None]
+    sends = [_f(r, "t_send_s", "arrival_s", default=0.0) or 0.0 for r in rows]
+    dones = [(_f(r, "t_send_s", "arrival_s", default=0.0) or 0.0) + float(r["e2e_s"])
+             for r in ok if r.get("e2e_s") is not None]
+    span = (max(dones) - min(sends)) if dones else float("nan")
+
+    def meets(r: dict[str, Any]) -> bool:
+        if r.get("error") or r.get("ttft_s") is None or float(r["ttft_s"]) > ttft_s:
+            return False
+        return r.get("tpot_s") is None or float(r["tpot_s"]) <= tpot_s
+
+    good = sum(1 for r in rows if meets(r))
+    pipes: dict[str, int] = {}
+    for r in rows:
+        p = r.get("pdd_pipeline") or "?"
+        pipes[p] = pipes.get(p, 0) + 1
+    return {"ttft_p50": float(np.percentile(ttfts, 50)) if ttfts else math.nan,
+            "ttft_p90": float(np.percentile(ttfts, 90)) if ttfts else math.nan,
+            "goodput_rps": good / span if span > 0 else math.nan, "attainment": good / len(rows), "pipelines": pipes}
+
+
+def predicted(sc: Scenario, graph: str, wl: Workload, ttft_s: float, tpot_s: float) -> dict[str, Any]:
+    from evaluations.sim.metrics import tpot, ttft
+    from evaluations.sim.simulator import Simulation
+
+    sla = sc.sla
+    sim = Simulation(sc, sc.deployments[graph], wl)
+    reqs = sim.run()
+    tt = [ttft(r, sla) for r in reqs]
+    good = sum(1 for r in reqs if r.finished == 1 and not r.fallback.startswith("failed")
+               and ttft(r, sla) <= ttft_s and (r.output <= 1 or tpot(r, sla) <= tpot_s))
+    span = max(r.t_done for r in reqs) - min(r.arrival for r in reqs)
+    pipes: dict[str, int] = {}
+    for r in reqs:
+        pipes[r.pipeline] = pipes.get(r.pipeline, 0) + 1
+    return {"ttft_p50": float(np.percentile(tt, 50)), "ttft_p90": float(np.percentile(tt, 90)),
+            "goodput_rps": good / span if span > 0 else math.nan, "attainment": good / len(reqs), "pipelines": pipes,
+            "sim_seconds": sim.wall_s}
+
+
+def validate(sc: Scenario, rows: list[dict[str, Any]], ttft_s: float, tpot_s: float,
+             graphs: list[str] | None = None) -> dict[str, Any]:
+    by_graph: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_graph.setdefault(str(r.get("graph") or graphs[0] if graphs else r.get("graph") or "pdd"), []).append(r)
+    out: dict[str, Any] = {}
+    for g, grows in by_graph.items():
+        if graphs and g not in graphs:
+            continue
+        if g not in sc.deployments:
+            raise SimConfigError(f"graph {g!r} of the records has no deployment in {sc.path} "
+                                 f"(has {', '.join(sc.deployments)}); pass --graph")
+        meas = measured(grows, ttft_s, tpot_s)
+        pred = predicted(sc, g, records_to_workload(grows, sc.workload.block_size), ttft_s, tpot_s)
+        err = {k: (pred[k] - meas[k]) / meas[k] if meas[k] and math.isfinite(meas[k]) else math.nan
+               for k in ("ttft_p50", "ttft_p90", "goodput_rps")}
+        out[g] = {"requests": len(grows), "measured": meas, "predicted": pred, "rel_error": err}
+    return out
+
+
+def format_validation(res: dict[str, Any], tol: float) -> str:
+    lines = [f"{'graph':<13}{'metric':<14}{'measured':>10}{'predicted':>11}{'rel err':>9}"]
+    for g, r in res.items():
+        for k, label in (("ttft_p50", "TTFT P50 (s)"), ("ttft_p90", "TTFT P90 (s)"), ("goodput_rps", "goodput rps")):
+            e = r["rel_error"][k]
+            flag = "" if not math.isfinite(e) or abs(e) <= tol else "  > tolerance"
+            lines.append(f"{g:<13}{label:<14}{r['measured'][k]:>10.3f}{r['predicted'][k]:>11.3f}{e:>+9.1%}{flag}")
+        lines.append(f"{'':<13}pipelines measured {r['measured']['pipelines']} / simulated {r['predicted']['pipelines']}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- calibration
+
+
+def _engine_timings(repeats: int = 5) -> dict[str, list[tuple[Any, float]]]:
+    """Prefill (chunked like pdd_serve's Prefill), decode steps vs batch, extends. One torch thread
+    (a replica's budget, serve/common.py); the minimum over repeats, because this machine is shared
+    and the least-disturbed run is the best estimate of the engine's own cost."""
+    import torch
+
+    torch.set_num_threads(1)
+    from pdd_serve.engine.engine import Engine
+    from pdd_serve.engine.sampling import SamplingParams
+    from pdd_serve.models import default_model_path
+
+    eng = Engine.from_pretrained(default_model_path(), enable_prefix_cache=False)
+    g = torch.Generator().manual_seed(0)
+    vocab = eng.args.vocab_size
+
+    def prompt(n: int) -> list[int]:
+        return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+    def timed(fn: Any) -> float:
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+
+    out: dict[str, list[tuple[Any, float]]] = {"prefill": [], "decode": [], "extend": []}
+    eng.generate(prompt(64), 4)  # warm-up
+    for n in (128, 256, 512, 1024, 1536):
+        ts = []
+        for _ in range(repeats):
+            s = eng.add("p", prompt(n), SamplingParams(1))
+            ts.append(timed(lambda s=s: eng.prefill(s, use_cache=False, chunk_tokens=256)))
+            eng.release(s)
+        out["prefill"].append((n, min(ts)))
+    for b in (1, 2, 4, 8, 16, 32):
+        ts = []
+        for _ in range(repeats):
+            seqs = [eng.add(f"d{i}", prompt(256), SamplingParams(40, ignore_eos=True)) for i in range(b)]
+            for s in seqs:
+                eng.prefill(s, use_cache=False)
+            steps = 16
+            ts.append(timed(lambda seqs=seqs: [eng.decode_step(seqs) for _ in range(steps)]) / steps)
+            for s in seqs:
+                eng.release(s)
+        out["decode"].append((b, min(ts)))
+    for n in (8, 32, 128):
+        ts = []
+        for _ in range(repeats):
+            s = eng.add("e", prompt(256), SamplingParams(n + 4, ignore_eos=True))
+            eng.prefill(s, use_cache=False)
+            ts.append(timed(lambda s=s: eng.extend(s, prompt(n))))
+            eng.release(s)
+        out["extend"].append((n, min(ts)))
+    return out
+
+
+def _predict(chip: ChipSpec, m: ModelSpec, kind: str, x: int) -> float:
+    from evaluations.sim.roofline import decode_step_time, prefill_time
+
+    if kind == "prefill":
+        t, done = 0.0, 0
+        while done < x:
+            n = min(256, x - done)
+            t += prefill_time(chip, m, 1, [(n, done)])
+            done += n
+        return t
+    if kind == "decode":
+        return decode_step_time(chip, m, 1, x, x * 264)
+    return prefill_time(chip, m, 1, [(x, 256)])
+
+
+def fit_chip(timings: dict[str, list[tuple[Any, float]]], m: ModelSpec, base: ChipSpec) -> tuple[ChipSpec, float]:
+    """Least squares in log time over (peak FLOP/s, bandwidth, per-forward overhead), mfu = mbu = 1."""
+    from scipy.optimize import minimize
+
+    pts = [(k, x, t) for k, v in timings.items() for x, t in v]
+
+    def chip(theta: np.ndarray) -> ChipSpec:
+        return ChipSpec(base.name, float(np.exp(theta[0])), base.mem_gb, float(np.exp(theta[1])),
+                        base.interconnect_gb_s, base.price_per_hour, 1.0, 1.0, float(np.exp(theta[2])), base.description)
+
+    def loss(theta: np.ndarray) -> float:
+        c = chip(theta)
+        return float(sum((math.log(_predict(c, m, k, x)) - math.log(t)) ** 2 for k, x, t in pts))
+
+    best = None
+    for start in ([math.log(0.05), math.log(5.0), math.log(2.0)], [math.log(0.5), math.log(50.0), math.log(0.5)]):
+        r = minimize(loss, np.array(start), method="Nelder-Mead", options={"maxiter": 4000, "xatol": 1e-4, "fatol": 1e-8})
+        if best is None or r.fun < best.fun:
+            best = r
+    return chip(best.x), math.sqrt(best.fun / len(pts))
+
+
+def calibrate(out: Path = CPU_CATALOG, repeats: int = 5, scenario: str = "cpu_validate") -> dict[str, Any]:
+    import yaml
+
+    sc = load_scenario(scenario)
+    base = sc.chips["cpu-small"]
+    t = _engine_timings(repeats)
+    chip, rmse = fit_chip(t, sc.model, base)
+    pred = {k: [(x, _predict(chip, sc.model, k, x)) for x, _ in v] for k, v in t.items()}
+    head = ("# cpu-small: the embedded 4-layer Llama (pdd_serve.models.default_model_path(), fp32) on this\n"
+            "# machine's CPU, as one replica sees it. FITTED, not assumed: `python -m evaluations.sim.validate\n"
+            f"# --calibrate` timed the engine directly on {time.strftime('%Y-%m-%d %H:%M')} (min of {repeats}) and fitted\n"
+            "# peak_tflops, mem_bw_gb_s and forward_overhead_ms (mfu = mbu = 1) by least squares in log time;\n"
+            f"# rms log error {rmse:.3f}. mem_gb = weights + graphs/*.yaml's kv_cache_bytes (256 MiB).\n")
+    doc = {"chips": {"cpu-small": {"description": base.description, "peak_tflops": round(chip.peak_tflops, 6),
+                                   "mem_gb": base.mem_gb, "mem_bw_gb_s": round(chip.mem_bw_gb_s, 4),
+                                   "interconnect_gb_s": base.interconnect_gb_s, "mfu": 1.0, "mbu": 1.0,
+                                   "forward_overhead_ms": round(chip.forward_overhead_ms, 4),
+                                   "price_per_hour": base.price_per_hour}},
+           "measurements": {k: [{"x": x, "measured_s": round(tm, 6), "fitted_s": round(p, 6)}
+                                for (x, tm), (_, p) in zip(v, pred[k])] for k, v in t.items()},
+           "fit_rms_log_error": round(rmse, 4)}
+    out.write_text(head + yaml.safe_dump(doc, sort_keys=False))
+    return doc
+
+
+# ---------------------------------------------------------------- a synthetic record file
+
+
+def make_synthetic(path: str | Path, scenario: str = "cpu_validate", graphs: tuple[str, ...] = ("pdd",),
+                   requests: int = 120, rate: float = 2.0, noise: float = 0.1, seed: int = 0) -> Path:
+    """Records in RequestRecord.as_row() shape from a simulated run, times perturbed by lognormal
+    noise: they test the plumbing (reading, replay, metrics), not the model."""
+    from evaluations.sim.metrics import tpot, ttft
+    from evaluations.sim.simulator import Simulation
+    from evaluations.sim.workload import synthetic
+
+    sc = load_scenario(scenario)
+    rng = np.random.default_rng(seed)
+    rows = []
+    for g in graphs:
+        wl = synthetic(sc.workload, rate_rps=rate, requests=requests)
+        for r in Simulation(sc, sc.deployments[g], wl).run():
+            k = float(np.exp(noise * rng.standard_normal()))
+            t1, tp = ttft(r, sc.sla) * k, tpot(r, sc.sla) * k
+            rows.append({"graph": g, "session_id": f"s{r.rid}", "turn": 0, "kind": r.kind, "prompt_tokens": r.prompt,
+                         "max_tokens": r.output, "t_send_s": r.arrival, "status": 200, "error": "", "ttft_s": t1,
+                         "tpot_s": tp if r.output > 1 else None, "e2e_s": t1 + tp * (r.output - 1),
+                         "output_tokens": r.output, "pdd_pipeline": r.pipeline,
+                         "pdd_prefix_hit_p": r.hit_p / r.prompt, "pdd_prefix_hit_md": r.hit_md / r.prompt})
+    path = Path(path)
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        keys = list(rows[0])
+        pq.write_table(pa.table({k: [row[k] for row in rows] for k in keys}), path)
+    elif path.suffix == ".csv":
+        with path.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    else:
+        path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+# ---------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m evaluations.sim.validate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("records", nargs="?", help="per-request records of a real run (parquet/csv/json/jsonl)")
+    ap.add_argument("--scenario", default="cpu_validate", help="scenario with one deployment per graph (default: %(default)s)")
+    ap.add_argument("--graph", default=None, help="only this graph (or the graph of a file without a graph column)")
+    ap.add_argument("--sla-ttft", type=float, default=None, help="SLA TTFT bound, s (default: the scenario's)")
+    ap.add_argument("--sla-tpot", type=float, default=None, help="SLA TPOT bound, s (default: the scenario's)")
+    ap.add_argument("--tolerance", type=float, default=0.2, help="relative error flagged (default: %(default)s)")
+    ap.add_argument("--calibrate", action="store_true", help="time the CPU engine and fit cpu_small.yaml")
+    ap.add_argument("--repeats", type=int, default=5, help="calibration repetitions (default: %(default)s)")
+    ap.add_argument("--make-synthetic", metavar="OUT", default=None, help="write a synthetic record file and exit")
+    args = ap.parse_args(argv)
+    try:
+        if args.calibrate:
+            doc = calibrate(repeats=args.repeats, scenario=args.scenario)
+            c = doc["chips"]["cpu-small"]
+            for k, v in doc["measurements"].items():
+                for p in v:
+                    print(f"{k:<8}{p['x']:>6}  measured {p['measured_s'] * 1e3:8.2f} ms  fitted {p['fitted_s'] * 1e3:8.2f} ms")
+            print(json.dumps({"calibrated": str(CPU_CATALOG), **c, "fit_rms_log_error": doc["fit_rms_log_error"]}))
+            return 0
+        if args.make_synthetic:
+            p = make_synthetic(args.make_synthetic, args.scenario)
+            print(json.dumps({"records": str(p)}))
+            return 0
+        if not args.records:
+            ap.error("give a record file (or --calibrate / --make-synthetic)")
+        sc = load_scenario(args.scenario)
+        rows = read_records(args.records)
+        ttft_s = args.sla_ttft or sc.sla.ttft_s
+        tpot_s = args.sla_tpot or sc.sla.tpot_s
+        res = validate(sc, rows, ttft_s, tpot_s, [args.graph] if args.graph else None)
+    except SimConfigError as e:
+        print(f"validate: error: {e}", file=sys.stderr)
+        return 2
+    print(format_validation(res, args.tolerance))
+    worst = max((abs(e) for r in res.values() for e in r["rel_error"].values() if math.isfinite(e)), default=math.nan)
+    print(json.dumps({"records": args.records, "sla_ttft_s": ttft_s, "sla_tpot_s": tpot_s, "max_abs_rel_error": worst,
+                      "within_tolerance": bool(worst <= args.tolerance),
+                      "graphs": {g: {"rel_error": r["rel_error"], "measured": {k: r["measured"][k] for k in
+                                 ("ttft_p50", "ttft_p90", "goodput_rps")},
+                                     "predicted": {k: r["predicted"][k] for k in ("ttft_p50", "ttft_p90", "goodput_rps")}}
+                                 for g, r in res.items()}}, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,264 @@
+"""cluster_configs/: every shipped launcher YAML passes Ray's own validation and fits its graph;
+broken ones fail with a message that names the file and the field."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from pdd_serve.config import load_graph_yaml
+from pdd_serve.launch_configs import (
+    LaunchConfigError,
+    graph_demands,
+    main,
+    node_args,
+    ray_schema,
+    validate_cluster_config,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "cluster_configs"
+SHIPPED = sorted(CONFIGS.glob("*-two-site.yaml"))
+
+
+def test_all_three_flavours_are_shipped() -> None:
+    assert [p.name for p in SHIPPED] == ["aws-two-site.yaml", "gcp-two-site.yaml", "onprem-two-site.yaml"]
+
+
+def test_ray_schema_supports_node_type_labels() -> None:
+    # the premise of the cloud configs: Ray 2.60's launcher takes `labels` per node type
+    props = ray_schema()["properties"]["available_node_types"]["patternProperties"][".*"]["properties"]
+    assert props["labels"]["patternProperties"][".*"]["type"] == "string"
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_config_is_valid_and_fits_its_graph(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)
+    check = validate_cluster_config(path)
+    assert set(check.usage) == {"a", "b"}
+    for site, res in check.usage.items():
+        for r, (asked, cap) in res.items():
+            assert 0 < asked <= cap, (site, r)
+    by_site = {d.deployment: d.site for d in check.demands}
+    assert by_site["Prefill"] == by_site["Relay"] == by_site["Router"] == "a"
+    assert {s for n, s in by_site.items() if n.startswith("MainDecode")} == {"b"}
+    assert all(d.resources.get("GPU") == 1 for d in check.demands if d.deployment != "Router")
+    assert not check.warnings
+    assert check.summary()[0].endswith(f"graph {check.graph_path})")
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_graph_has_the_shape_of_graphs_pdd(path: Path) -> None:
+    """Same graph as graphs/pdd.yaml (pipelines, sites, deployments), sized and moved to GPUs."""
+    doc = yaml.safe_load(path.read_text())
+    graph = ROOT / doc["metadata"]["pdd"]["graph"]
+    product, cfg = load_graph_yaml(ROOT / "graphs" / "pdd.yaml"), load_graph_yaml(graph)
+    assert cfg.graph == product.graph and cfg.policy.pipelines == product.policy.pipelines
+    for role in ("prefill", "relay", "main_decode", "router"):
+        assert getattr(cfg.sites, role) == getattr(product.sites, role)
+    assert cfg.model.device == "cuda" and cfg.link.preset != "same_dc"
+    assert cfg.flight.bind_host == "0.0.0.0" and cfg.flight.port == 0 and cfg.flight.token is None
+    gdoc = yaml.safe_load(graph.read_text())
+    assert gdoc["applications"][0]["import_path"] == "pdd_serve.serve.app:build_app"
+
+
+def test_local_shaped_graphs_load_and_bind_beyond_loopback() -> None:
+    for name in ("pdd", "pd_cross_dc"):
+        cfg = load_graph_yaml(CONFIGS / "graphs" / f"local-shaped-{name}.yaml")
+        paced = load_graph_yaml(ROOT / "graphs" / f"{name}.yaml")
+        assert cfg.flight.bind_host == "0.0.0.0"  # MD sits in the namespace: loopback is unreachable
+        assert cfg.link == paced.link and cfg.policy == paced.policy and cfg.sites == paced.sites
+
+
+# ---- broken configs ---------------------------------------------------------------------------
+
+
+def _broken(tmp_path: Path, src: str, mutate: Callable[[dict[str, Any]], None], name: str | None = None) -> Path:
+    doc = yaml.safe_load((CONFIGS / src).read_text())
+    doc["metadata"]["pdd"]["graph"] = str(ROOT / doc["metadata"]["pdd"]["graph"])
+    mutate(doc)
+    p = tmp_path / (name or src)
+    p.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return p
+
+
+def _fails(path: Path, pattern: str, graph: Path | None = None) -> str:
+    with pytest.raises(LaunchConfigError) as ei:
+        validate_cluster_config(path, graph)
+    msg = str(ei.value)
+    assert re.search(pattern, msg), msg
+    return msg
+
+
+def _nt(doc: dict[str, Any], name: str) -> dict[str, Any]:
+    return doc["available_node_types"][name]
+
+
+def test_missing_site_label_names_file_and_field(tmp_path: Path) -> None:
+    p = _broken(tmp_path, "aws-two-site.yaml", lambda d: _nt(d, "site_b")["labels"].pop("pdd.site"))
+    msg = _fails(p, r"available_node_types\.site_b\.labels: missing pdd\.site")
+    assert msg.startswith(f"{p}: available_node_types.site_b.labels: missing pdd.site")
+
+
+def test_no_node_type_for_a_site(tmp_path: Path) -> None:
+    p = _broken(tmp_path, "aws-two-site.yaml", lambda d: _nt(d, "site_b")["labels"].update({"pdd.site": "a"}))
+    _fails(p, rf"^{re.escape(str(p))}: available_node_types: no node type has labels\.pdd\.site: b, but "
+              r".*aws-pdd\.yaml runs MainDecode0, .*MainDecode5 there")
+
+
+@pytest.mark.parametrize(("mutate", "pattern"), [
+    (lambda d: _nt(d, "site_a")["resources"].update({"CPU": "lots"}),
+     r"available_node_types\.site_a\.resources\.CPU: 'lots' is not of type 'integer' \[Ray's cluster schema\]"),
+    (lambda d: _nt(d, "site_b")["labels"].update({"pdd.site": 2}),
+     r"available_node_types\.site_b\.labels\.pdd\.site: 2 is not of type 'string'"),
+    (lambda d: _nt(d, "site_b").update({"min_workers": "1"}),
+     r"available_node_types\.site_b\.min_workers: '1' is not of type 'integer'"),
+    (lambda d: _nt(d, "site_b").update({"lables": {"pdd.site": "b"}}),
+     r"available_node_types\.site_b: Additional properties are not allowed \('lables' was unexpected\)"),
+    (lambda d: d["provider"].pop("type"), r"provider: 'type' is a required property"),
+], ids=["cpu-not-int", "label-not-string", "min-workers-not-int", "typo-key", "provider-type-missing"])
+def test_wrong_types_fail_ray_schema_with_the_field(tmp_path: Path, mutate: Callable, pattern: str) -> None:
+    p = _broken(tmp_path, "aws-two-site.yaml", mutate)
+    assert _fails(p, pattern).startswith(f"{p}: ")
+
+
+def test_rays_cross_field_checks_run_too(tmp_path: Path) -> None:
+    p = _broken(tmp_path, "gcp-two-site.yaml", lambda d: d.update({"max_workers": 1}))
+    _fails(p, r"gcp-two-site\.yaml: max_workers: Ray rejects it: The specified global `max_workers` is smaller")
+    p = _broken(tmp_path, "gcp-two-site.yaml", lambda d: d.update({"head_node_type": "nope"}))
+    _fails(p, r"head_node_type: Ray rejects it: `head_node_type` must be one of `available_node_types`")
+
+
+def test_too_few_cpus_for_the_graph(tmp_path: Path) -> None:
+    p = _broken(tmp_path, "aws-two-site.yaml", lambda d: _nt(d, "site_b")["resources"].update({"CPU": 24}))
+    _fails(p, r"aws-two-site\.yaml: available_node_types\.site_b\.resources\.CPU: site b has 48 CPU on 2 node\(s\) "
+              r"at max_workers, but .*aws-pdd\.yaml asks for 72 \(MainDecode0\.\.5 6 x 12\)")
+
+
+def test_too_few_gpus_and_one_replica_too_big(tmp_path: Path) -> None:
+    p = _broken(tmp_path, "gcp-two-site.yaml", lambda d: _nt(d, "site_a").update({"max_workers": 1}) or
+                _nt(d, "site_a")["resources"].update({"GPU": 4}))
+    _fails(p, r"available_node_types\.\{head,site_a\}\.resources\.GPU: site a has 4 GPU on 2 node\(s\) at "
+              r"max_workers, but .* asks for 6 \(Prefill 4 x 1, Relay 2 x 1\)")
+    p = _broken(tmp_path, "aws-two-site.yaml", lambda d: _nt(d, "site_b")["resources"].update({"CPU": 10}))
+    _fails(p, r"available_node_types\.site_b\.resources\.CPU: at most 10 CPU per node at site b, but one "
+              r"MainDecode\d replica asks for 12")
+
+
+def test_min_workers_short_is_a_warning(tmp_path: Path) -> None:
+    p = _broken(tmp_path, "aws-two-site.yaml", lambda d: _nt(d, "site_b")["resources"].update({"GPU": 4}))
+    check = validate_cluster_config(p)
+    assert check.warnings == ("site b: 2 replica(s) don't fit at min_workers; the autoscaler must add nodes "
+                              "before the graph is up",)
+
+
+# ---- broken graphs ----------------------------------------------------------------------------
+
+
+def _graph(tmp_path: Path, src: str, mutate: Callable[[dict[str, Any]], None]) -> Path:
+    doc = yaml.safe_load((CONFIGS / "graphs" / src).read_text())
+    mutate(doc["applications"][0])
+    p = tmp_path / src
+    p.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return p
+
+
+def _dep(app: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(d for d in app["deployments"] if d["name"] == name)
+
+
+@pytest.mark.parametrize(("mutate", "pattern"), [
+    (lambda a: _dep(a, "MainDecode3")["ray_actor_options"]["label_selector"].update({"pdd.site": "a"}),
+     r"applications\[0\]\.deployments\[6\]\.ray_actor_options\.label_selector\.pdd\.site: 'a', but "
+     r"args\.sites\.main_decode puts MainDecode3 at site 'b'"),
+    (lambda a: _dep(a, "Prefill")["ray_actor_options"].pop("label_selector"),
+     r"deployments\[1\]\.ray_actor_options\.label_selector: missing pdd\.site: Serve replaces the code's "
+     r"ray_actor_options with these, so Prefill would not be pinned to site 'a'"),
+    (lambda a: a["deployments"].append({"name": "MainDecode6", "ray_actor_options": {"num_cpus": 1}}),
+     r"deployments\[9\]\.name: 'MainDecode6' is not a deployment of this graph; it builds Router, Prefill, Relay, "
+     r"MainDecode0"),
+    (lambda a: _dep(a, "Relay")["ray_actor_options"].pop("num_gpus"),
+     r"deployments\[2\]\.ray_actor_options\.num_gpus: Relay runs the model on cuda but asks for no GPU"),
+    (lambda a: a["args"]["flight"].update({"bind_host": "127.0.0.1"}),
+     r"applications\[0\]\.args\.flight\.bind_host: '127\.0\.0\.1' is loopback"),
+    (lambda a: a["args"]["flight"].update({"port": 50051}),
+     r"applications\[0\]\.args\.flight\.port: fixed port 50051, but 6 MainDecode replicas fit on one site_b node"),
+    (lambda a: a["args"]["sites"].update({"main_decode_replicas": 2}),
+     r"deployments\[5\]\.name: 'MainDecode2' is not a deployment of this graph"),
+    (lambda a: a["args"]["policy"].update({"wan_budget_s": -1}),
+     r"applications\[0\]\.args: policy: policy\.wan_budget_s must be >= 0"),
+], ids=["selector-wrong-site", "selector-missing", "unknown-deployment", "cuda-without-gpu", "loopback-flight",
+        "fixed-flight-port-shared", "replicas-vs-deployments", "bad-args"])
+def test_broken_graph_names_graph_file_and_field(tmp_path: Path, mutate: Callable, pattern: str) -> None:
+    g = _graph(tmp_path, "aws-pdd.yaml", mutate)
+    msg = _fails(_broken(tmp_path, "aws-two-site.yaml", lambda d: None), pattern, graph=g)
+    assert msg.startswith(f"{g}: "), msg
+
+
+def test_graph_demands_follow_build_app_defaults() -> None:
+    """Without YAML overrides a deployment asks what build_app gives it (sites.cpus_per_replica)."""
+    cfg, demands = graph_demands(ROOT / "graphs" / "pdd.yaml")
+    asks = {d.deployment: (d.site, d.replicas, d.resources) for d in demands}
+    assert asks == {"Router": ("a", 1, {"CPU": 0.25}), "Prefill": ("a", 1, {"CPU": 0.5}),
+                    "Relay": ("a", 1, {"CPU": 0.5}), "MainDecode0": ("b", 1, {"CPU": 0.5})}
+
+
+# ---- on-prem ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("mutate", "pattern"), [
+    (lambda d: d["provider"]["worker_ips"].append("10.20.0.13"),
+     r"metadata\.pdd\.node_types: host 10\.20\.0\.13 \(provider\) is in no node type: it would join without"),
+    (lambda d: d["metadata"]["pdd"]["node_types"]["site_b"]["labels"].pop("pdd.site"),
+     r"metadata\.pdd\.node_types\.site_b\.labels: missing pdd\.site"),
+    (lambda d: d["metadata"]["pdd"]["node_types"]["site_b"]["hosts"].append("10.30.0.1"),
+     r"metadata\.pdd\.node_types\.site_b\.hosts: 10\.30\.0\.1 is neither provider\.head_ip nor in provider\.worker_ips"),
+    (lambda d: d.update({"worker_start_ray_commands": ["ray start --address=$RAY_HEAD_IP:6379"]}),
+     r"worker_start_ray_commands: no `--labels`"),
+    (lambda d: d.update({"available_node_types": {"x": {"resources": {}, "node_config": {}}}}),
+     r"available_node_types: the local provider has a single node type"),
+    (lambda d: d["metadata"]["pdd"]["node_types"]["site_b"]["resources"].update({"GPU": 4}),
+     r"metadata\.pdd\.node_types\.site_b\.resources\.GPU: site b has 8 GPU on 2 node\(s\)"),
+], ids=["unlisted-worker", "missing-label", "unknown-host", "start-without-labels", "node-types-field",
+        "too-few-gpus"])
+def test_broken_onprem_config(tmp_path: Path, mutate: Callable, pattern: str) -> None:
+    p = _broken(tmp_path, "onprem-two-site.yaml", mutate)
+    assert _fails(p, pattern).startswith(f"{p}: ")
+
+
+def test_onprem_node_args_give_each_host_its_site() -> None:
+    p = CONFIGS / "onprem-two-site.yaml"
+    assert node_args(p, "10.10.0.10") == ["--labels=pdd.site=a,pdd.chip=cpu", '--resources={"site_a":1000}']
+    assert node_args(p, "10.10.0.12") == ["--labels=pdd.site=a,pdd.chip=h100", '--resources={"site_a":1000}']
+    assert node_args(p, "10.20.0.11") == ["--labels=pdd.site=b,pdd.chip=h20", '--resources={"site_b":1000}']
+    with pytest.raises(LaunchConfigError, match=r"node_types: host 10\.9\.9\.9 is in no node type's hosts"):
+        node_args(p, "10.9.9.9")
+    with pytest.raises(LaunchConfigError, match=r"provider\.type: node-args is for the local"):
+        node_args(CONFIGS / "aws-two-site.yaml", "10.0.0.1")
+
+
+def test_cli(capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)
+    assert main(["validate", *map(str, SHIPPED)]) == 0
+    out = capsys.readouterr().out
+    assert out.count(": OK (") == 3 and "site b: nodes site_b x2-2; runs MainDecode0..11 x1" in out
+    bad = _broken(tmp_path, "aws-two-site.yaml", lambda d: _nt(d, "site_b")["labels"].pop("pdd.site"))
+    assert main(["validate", str(bad)]) == 1
+    assert "available_node_types.site_b.labels: missing pdd.site" in capsys.readouterr().err
+    assert main(["node-args", str(CONFIGS / "onprem-two-site.yaml"), "--ip", "10.20.0.12"]) == 0
+    assert capsys.readouterr().out.strip() == '--labels=pdd.site=b,pdd.chip=h20 --resources={"site_b":1000}'
+
+
+def test_broken_yaml_and_missing_graph(tmp_path: Path) -> None:
+    p = tmp_path / "x.yaml"
+    p.write_text("cluster_name: [unclosed\n")
+    _fails(p, rf"^{re.escape(str(p))}: not valid YAML")
+    q = _broken(tmp_path, "aws-two-site.yaml", lambda d: d["metadata"]["pdd"].update({"graph": "nope.yaml"}))
+    _fails(q, r"metadata\.pdd\.graph: nope\.yaml not found")
+    r = _broken(tmp_path, "aws-two-site.yaml", lambda d: d.pop("metadata"), name="nometa.yaml")
+    _fails(r, r"nometa\.yaml: metadata\.pdd\.graph: missing")

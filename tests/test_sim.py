@@ -1,0 +1,301 @@
+"""The cluster-scale simulator and planner (evaluations/sim): roofline numbers, event ordering and
+conservation, the real policy in the loop, config errors, planner feasibility, CLI, validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from evaluations.sim import simulator as simmod
+from evaluations.sim.config import ChipSpec, ModelSpec, SimConfigError, load_scenario
+from evaluations.sim.metrics import max_goodput, summarize
+from evaluations.sim.roofline import (
+    decode_series,
+    decode_step_time,
+    kv_capacity_tokens,
+    prefill_time,
+    weight_bytes_read,
+)
+from evaluations.sim.simulator import Simulation, _PJob
+from evaluations.sim.workload import SimRequest, Workload, mooncake_trace, synthetic
+from pdd_serve import policy
+
+TINY = """\
+name: tiny
+chips:
+  a: {peak_tflops: 100, mem_gb: 40, mem_bw_gb_s: 1000, interconnect_gb_s: 25, price_per_hour: 1.0, forward_overhead_ms: 2}
+  b: {peak_tflops: 30, mem_gb: 80, mem_bw_gb_s: 2000, interconnect_gb_s: 25, price_per_hour: 1.2, forward_overhead_ms: 2}
+model: {name: tiny, params_b: 7, layers: 32, hidden: 4096, attn_dim: 4096, kv_bytes_per_token: 65536, bytes_per_param: 1}
+workload: {kind: synthetic, requests: 200, rate_rps: 4, input_tokens: 4096, output_tokens: 64, block_size: 256,
+           families: 20, hit_mixture: [[0.7, 0.9, 1.0], [0.3, 0.0, 0.6]], anomalous_fraction: 0.05,
+           anomalous_output_tokens: 4}
+sla: {ttft_s: 3, tpot_s: 0.08, attainment: 0.9}
+scheduler: {prefill_chunk_tokens: 2048, tail_chunk: alone, prefix_cache_gb: 100}
+links:
+  same_dc: same_dc
+  wan: {preset: pdd_report, line_gbps: 50, price_per_hour: 0.3}
+deployments:
+  same_dc: {prefill: {chip: a, count: 2}, main_decode: {chip: a, count: 2}, link: same_dc,
+            policy: {pipelines: [P-MD], drc: false}}
+  pdmd: {prefill: {chip: a, count: 2}, main_decode: {chip: b, count: 2}, link: wan, policy: {pipelines: [P-MD]}}
+  pdd:
+    prefill: {chip: a, count: 2}
+    relay: {chip: a, count: 1}
+    main_decode: {chip: b, count: 2}
+    link: wan
+    policy: {pipelines: [P-MD, P-RLD-MD, P-RLD], wan_budget_s: 0.1, relay_max_running: 32,
+             anomalous_min_input_tokens: 2048, anomalous_max_output_tokens: 8, anomalous_min_transfer_s: 0.1}
+compare: {subject: pdd, cost_baseline: same_dc, latency_baseline: pdmd}
+goodput: {horizon_s: 40, warmup_s: 5, lo_rps: 1, hi_rps: 8, iterations: 4}
+plan: {target_rps: 3, chips_site_a: [a], chips_site_b: [b], link: wan, horizon_s: 40, max_steps: 12}
+"""
+
+
+@pytest.fixture
+def tiny(tmp_path: Path):
+    p = tmp_path / "tiny.yaml"
+    p.write_text(TINY)
+    return load_scenario(p)
+
+
+def _chip(**kw) -> ChipSpec:
+    d = dict(name="t", peak_tflops=1.0, mem_gb=2.0, mem_bw_gb_s=1.0, interconnect_gb_s=1.0, price_per_hour=1.0,
+             mfu=1.0, mbu=1.0, forward_overhead_ms=0.0)
+    d.update(kw)
+    return ChipSpec(**d)
+
+
+def _model(**kw) -> ModelSpec:
+    d = dict(name="m", params_b=1.0, layers=2, hidden=8, attn_dim=4, kv_bytes_per_token=10, bytes_per_param=1.0)
+    d.update(kw)
+    return ModelSpec(**d)
+
+
+# ---------------------------------------------------------------- roofline
+
+
+def test_roofline_hand_computed() -> None:
+    c, m = _chip(), _model()  # 1e12 FLOP/s, 1e9 B/s; 1e9 params of 1 byte; 2 layers x attn 4; 10 B KV/token
+    # decode, batch 1, 100 tokens of context: bytes 1e9 + 10*100 over 1e9 B/s -> memory-bound
+    assert decode_step_time(c, m, 1, 1, 100) == pytest.approx(1.000001)
+    # prefill 1000 new tokens: FLOPs 2e9*1000 + 4*2*4*(1000*1001/2) over 1e12 -> compute-bound
+    assert prefill_time(c, m, 1, [(1000, 0)]) == pytest.approx(2.000016016)
+    # the same with 500 cached tokens before them: keys + 1000*500, KV touched 1500 tokens
+    assert prefill_time(c, m, 1, [(1000, 500)]) == pytest.approx((2e12 + 32 * (500_500 + 500_000)) / 1e12)
+    # a forward overhead and two chips: time halves, overhead doesn't, TP all-reduce adds
+    c2 = _chip(forward_overhead_ms=5.0)
+    ar = 2 * 2 * 1000 * 8 * 2.0 * 2 * 1 / 2 / 1e9  # 2 layers x 1000 tokens x hidden 8 x 2 B x 2 x (n-1)/n
+    assert prefill_time(c2, m, 2, [(1000, 0)]) == pytest.approx(2.000016016 / 2 + 0.005 + ar)
+    # MoE: a forward of few tokens reads only the experts it touches
+    moe = _model(active_params_b=0.1)
+    assert weight_bytes_read(moe, 1) == pytest.approx(1e8)
+    assert weight_bytes_read(moe, 20) == pytest.approx(1e9)
+    # capacity: 2 GB - 1 GB of weights at 10 B/token
+    assert kv_capacity_tokens(c, m, 1, 0.0) == 100_000_000
+    assert kv_capacity_tokens(c, m, 1, 0.25) == 50_000_000
+
+
+def test_step_series_sums_each_step() -> None:
+    c, m = _chip(peak_tflops=0.001), _model(active_params_b=0.5)  # compute- and memory-bound arms cross
+    b, ctx = 8, 4000
+    s = decode_series(c, m, 1, b, ctx)
+    steps = [decode_step_time(c, m, 1, b, ctx + b * k) for k in range(300)]
+    for n in (0, 1, 7, 150, 300):
+        assert s.time(n) == pytest.approx(sum(steps[:n]), rel=1e-9)
+    assert s.steps_within(sum(steps[:42]) + 1e-9, 300) == 42
+    assert s.steps_within(sum(steps[:42]) - 1e-6, 300) == 41
+
+
+# ---------------------------------------------------------------- the simulation
+
+
+def _check_run(sim: Simulation, reqs: list[SimRequest]) -> None:
+    assert sim.backsteps == 0  # time never went backwards
+    assert all(r.finished == 1 for r in reqs)  # every request finished exactly once
+    assert sim.completed == len(reqs)
+    for r in reqs:
+        assert 1 + r.rld_tokens + r.md_tokens == r.output or r.fallback, r  # every token made exactly once
+        assert r.arrival <= r.t_prefill_done <= r.t_done
+        assert r.t_first_decoder >= r.t_prefill_done
+    assert all(inst.assigned == 0 for inst in sim.mds + sim.relays)  # everything released
+    assert sim.relay_running == 0
+
+
+def test_conservation_and_ordering(tiny) -> None:
+    for name, dep in tiny.deployments.items():
+        sim = Simulation(tiny, dep, synthetic(tiny.workload, rate_rps=6, requests=300))
+        reqs = sim.run()
+        _check_run(sim, reqs)
+        s = summarize(reqs, tiny.sla)
+        assert s["finished"] == 300
+        if name == "pdd":
+            assert set(s["pipelines"]) == {"P-MD", "P-RLD-MD", "P-RLD"}
+            assert s["handoff_modes"] and 0 < s["rld_token_share"] < 0.5
+
+
+def test_overload_still_conserves(tiny) -> None:
+    sim = Simulation(tiny, tiny.deployments["pdd"], synthetic(tiny.workload, rate_rps=60, requests=400))
+    _check_run(sim, sim.run())
+
+
+def test_simulator_uses_the_real_policy(tiny) -> None:
+    # the same function objects, imported unchanged from pdd_serve.policy
+    for fn in ("choose_pipeline", "pick_md", "plan_handoff", "catchup_done"):
+        assert getattr(simmod, fn) is getattr(policy, fn)
+    dep = tiny.deployments["pdd"]
+    only_pmd = dataclasses.replace(dep, policy=dataclasses.replace(dep.policy, pipelines=("P-MD",)))
+    reqs = Simulation(tiny, only_pmd, synthetic(tiny.workload, rate_rps=4, requests=150)).run()
+    assert {r.pipeline for r in reqs} == {"P-MD"}
+    assert all(r.relay == -1 and r.rld_tokens == 0 for r in reqs)
+    # handoff modes follow plan_handoff: catch-up only when more eager tokens than the threshold
+    thr = dataclasses.replace(dep.policy, handoff_token_threshold=10_000)
+    reqs = Simulation(tiny, dataclasses.replace(dep, policy=thr), synthetic(tiny.workload, rate_rps=4, requests=150)).run()
+    modes = {r.handoff_mode for r in reqs if r.pipeline == "P-RLD-MD"}  # none: RLD finished first
+    assert "one-shot" in modes and "catch-up" not in modes
+
+
+def test_prefill_tail_chunks(tiny) -> None:
+    """A long prompt's tail chunk runs alone (PDD.md) unless packing is on."""
+    for mode, forwards in (("alone", 3), ("packed", 2), ("padded", 3)):
+        sc = dataclasses.replace(tiny, scheduler=dataclasses.replace(tiny.scheduler, tail_chunk=mode))
+        sim = Simulation(sc, sc.deployments["same_dc"], Workload([], [], 256))
+        p = sim.ps[0]
+        a = SimRequest(0, 0.0, 2148, 2, ())
+        b = SimRequest(1, 0.0, 500, 2, ())
+        sim._prefill_done = lambda job, inst: None  # type: ignore[method-assign]  # prefill only
+        p.submit(_PJob(a, 2148, 0))
+        p.submit(_PJob(b, 500, 0))
+        sim.run()
+        assert p.forwards == forwards, mode
+        assert p.backlog == 0
+
+
+def test_mooncake_trace(tmp_path: Path, tiny) -> None:
+    f = tmp_path / "t.jsonl"
+    f.write_text('{"timestamp": 1000, "input_length": 600, "output_length": 5, "hash_ids": [0, 1]}\n'
+                 '{"timestamp": 2500, "input_length": 1100, "output_length": 7, "hash_ids": [0, 1, 2]}\n')
+    spec = dataclasses.replace(tiny.workload, kind="trace", trace_path=str(f), block_size=512)
+    wl = mooncake_trace(spec)
+    assert [r.arrival for r in wl.requests] == [0.0, 1.5]
+    assert [r.blocks for r in wl.requests] == [(1,), (1, 2)]  # full blocks only, ids + 1 (0 is the root)
+    shared = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
+    if shared.exists():
+        sc = load_scenario("mooncake")
+        wl = mooncake_trace(sc.workload, limit=300)
+        sim = Simulation(sc, sc.deployments["pdd"], wl)
+        reqs = sim.run()
+        _check_run(sim, reqs)
+        assert summarize(reqs, sc.sla)["hit_p"] > 0.1  # the trace's prefixes hit the P caches
+
+
+# ---------------------------------------------------------------- config errors
+
+
+@pytest.mark.parametrize("old,new,where", [
+    ("main_decode: {chip: b, count: 2}, link: wan, policy: {pipelines: [P-MD]}}",
+     "main_decode: {chip: b, count: 0}, link: wan, policy: {pipelines: [P-MD]}}", "deployments.pdmd.main_decode.count"),
+    ("main_decode: {chip: b, count: 2}, link: wan, policy: {pipelines: [P-MD]}}",
+     "main_decode: {chip: zz, count: 2}, link: wan, policy: {pipelines: [P-MD]}}", "deployments.pdmd.main_decode.chip"),
+    ("sla: {ttft_s: 3,", "sla: {ttft_z: 3,", "sla.ttft_z"),
+    ("sla: {ttft_s: 3,", "sla: {ttft_s: -3,", "sla.ttft_s"),
+    ("mem_bw_gb_s: 1000,", "mem_bw_gb_s: 0,", "chips.a.mem_bw_gb_s"),
+    ("kv_bytes_per_token: 65536", "kv_bytes_per_token: -1", "model.kv_bytes_per_token"),
+    ("tail_chunk: alone", "tail_chunk: sideways", "scheduler.tail_chunk"),
+    ("line_gbps: 50", "line_gbps: 50, jitter: wobbly", "links.wan.preset"),
+    ("params_b: 7,", "params_b: 700,", "deployments.same_dc.prefill"),  # weights don't fit the chip
+    ("wan_budget_s: 0.1", "wan_budget_s: -1", "deployments.pdd.policy"),
+])
+def test_config_errors_name_file_and_field(tmp_path: Path, old: str, new: str, where: str) -> None:
+    assert old in TINY
+    p = tmp_path / "bad.yaml"
+    p.write_text(TINY.replace(old, new, 1))
+    with pytest.raises(SimConfigError) as e:
+        load_scenario(p)
+    assert str(p) in str(e.value) and where in str(e.value), str(e.value)
+
+
+def test_builtin_scenarios_load() -> None:
+    for name in ("report", "mooncake", "cpu_validate"):
+        sc = load_scenario(name)
+        assert sc.deployments and sc.chips
+    with pytest.raises(SimConfigError, match="unknown scenario"):
+        load_scenario("no-such-scenario")
+
+
+# ---------------------------------------------------------------- goodput, planner
+
+
+def test_goodput_bisection() -> None:
+    def run_at(rate: float) -> dict:
+        return {"attainment": 1.0 if rate <= 5.3 else 0.5}
+
+    g = max_goodput(run_at, 0.9, 1.0, 2.0, iterations=10)
+    assert 5.2 < g.rate <= 5.3
+    assert max_goodput(lambda r: {"attainment": 0.0}, 0.9, 1.0, 2.0, 3).rate == 0.0
+
+
+def test_planner_meets_sla_in_simulation(tiny, tmp_path: Path) -> None:
+    from evaluations.sim.planner import cluster_nodes, graph_yaml, plan
+    from evaluations.sim.report import requests_for, simulate
+
+    res = plan(tiny, progress=False)
+    assert res.best is not None and res.best.feasible
+    b = res.best
+    assert b.counts["prefill"] >= 1 and b.counts["relay"] >= 1 and b.counts["main_decode"] >= 1
+    # feasible means: the SLA holds at the target load when simulated again
+    from evaluations.sim.planner import _deployment
+
+    dep = _deployment(tiny, tiny.deployments["pdd"], "wan", b.chip_a, b.chip_b, b.counts)
+    s, _ = simulate(tiny, dep, synthetic(tiny.workload, rate_rps=3, requests=requests_for(3, 40)), warmup_s=5)
+    assert s["attainment"] >= tiny.sla.attainment
+    # cheaper than every other feasible candidate
+    assert all(c.cost >= b.cost for c in res.candidates if c.feasible)
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    g = yaml.safe_load(graph_yaml(tiny, res, root / "graphs" / "pdd.yaml"))
+    sites = g["applications"][0]["args"]["sites"]
+    assert (sites["prefill_replicas"], sites["relay_replicas"], sites["main_decode_replicas"]) == (
+        b.counts["prefill"], b.counts["relay"], b.counts["main_decode"])
+    mds = [d["name"] for d in g["applications"][0]["deployments"] if d["name"].startswith("MainDecode")]
+    assert len(mds) == b.counts["main_decode"]
+    nodes = cluster_nodes(tiny, res)
+    assert nodes["sites"]["a"]["a"]["chips"] == b.counts["prefill"] + b.counts["relay"]
+
+
+# ---------------------------------------------------------------- CLI and validation
+
+
+def test_cli_simulate(tiny, tmp_path: Path, capsys) -> None:
+    from pdd_serve.cli import main
+
+    rc = main(["simulate", "--scenario", tiny.path, "--rate", "3", "--no-progress"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert rc == 0
+    js = json.loads(out[-1])
+    assert 0 <= js["rld_token_share"] < 1 and "ttft_reduction" in js and js["sim_seconds"] >= 0
+    for bad in (["simulate", "--rate", "-1"], ["simulate", "--scenario", "nope"], ["simulate", "--tail-chunk", "x"],
+                ["simulate", "--trace", "/no/such/file"], ["plan", "--target-rps", "0"], ["simulate", "--wat"]):
+        assert main(bad) == 2, bad
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "error" in err
+
+
+def test_validate_synthetic_records(tmp_path: Path) -> None:
+    from evaluations.sim.validate import main, make_synthetic, read_records, validate
+
+    p = make_synthetic(tmp_path / "records.jsonl", graphs=("pdd", "pd_cross_dc"), requests=80, noise=0.05)
+    rows = read_records(p)
+    sc = load_scenario("cpu_validate")
+    res = validate(sc, rows, sc.sla.ttft_s, sc.sla.tpot_s)
+    assert set(res) == {"pdd", "pd_cross_dc"}
+    for r in res.values():
+        for k, e in r["rel_error"].items():
+            assert math.isfinite(e) and abs(e) < 0.2, (k, e)
+    csv_path = make_synthetic(tmp_path / "records.csv", requests=40)
+    assert main([str(csv_path)]) == 0
+    assert main([str(tmp_path / "missing.parquet")]) == 2
