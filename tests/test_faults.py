@@ -111,13 +111,15 @@ def _replica_actor(deployment: str):
 def test_md_killed_mid_stream_migrates_to_another_md(graph, ref_engine):
     import ray
 
-    prompt, n = _prompt(1, 600), 2500  # MD decodes faster than the client reads: a long stream
+    prompt, n = _prompt(1, 600), 1200  # MD decodes faster than the client reads: a long stream
     killed: list[str] = []
+    t_kill: list[float] = []
 
     def kill_holder(seen: int) -> None:
         if seen >= 3 and not killed:
             for i in (0, 1):
                 if _handle(f"MainDecode{i}").stats.remote().result(timeout_s=30).running:
+                    t_kill.append(time.time())
                     ray.kill(_replica_actor(f"MainDecode{i}"), no_restart=True)
                     killed.append(f"MainDecode{i}")
                     return
@@ -126,14 +128,16 @@ def test_md_killed_mid_stream_migrates_to_another_md(graph, ref_engine):
     assert killed, "the MD holding the request was not found"
     assert ids == _ref(ref_engine, prompt, n), info
     assert "md_lost" in info["fallbacks"], info
-    # Serve restores the killed replica
+    # Serve restores the killed replica (a new process: started after the kill)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
-            _handle(killed[0]).stats.remote().result(timeout_s=10)
-            break
+            st = _handle(killed[0]).stats.remote().result(timeout_s=10)
+            if st.extra["started_at"] > t_kill[0]:
+                break
         except Exception:  # noqa: BLE001 - still restarting
-            time.sleep(2)
+            pass
+        time.sleep(2)
     else:
         pytest.fail(f"{killed[0]} was not restored")
 
@@ -148,7 +152,7 @@ def test_wan_cut_mid_transfer_redelivers_kv(graph, ref_engine):
 
 def test_wan_stall_on_relay_path_lets_relay_finish(graph, ref_engine):
     _handle("Prefill").inject.remote("stall", 30.0).result(timeout_s=30)
-    prompt, n = _prompt(3, 1200), 1200
+    prompt, n = _prompt(3, 1200), 900  # RLD must still be decoding when the 8 s KV wait gives up
     ids, info = _stream(graph, prompt, n, {"pipeline": "P-RLD-MD"})
     assert ids == _ref(ref_engine, prompt, n), info
     assert info["fallbacks"] == ["kv_timeout"] and info["md_tokens"] == 0, info

@@ -188,6 +188,10 @@ class SchedulerSpec:
     mem_reserve_fraction: float = 0.1  # HBM kept for activations, graphs, fragmentation
     prefix_cache_gb: float = 1000.0  # per P / MD instance (HBM + host pool), for the radix caches
     cache_slack: float = 0.05  # evict in bulk down to (1 - slack) once (1 + slack) is reached
+    # the platform, not the chip: control-plane time before a request reaches P (router RPCs, HTTP),
+    # and a factor on every forward's time (compute shared with other processes)
+    request_overhead_s: float = 0.0
+    compute_slowdown: float = 1.0
 
     def __post_init__(self) -> None:
         _check(isinstance(self.prefill_chunk_tokens, int) and self.prefill_chunk_tokens > 0,
@@ -197,6 +201,8 @@ class SchedulerSpec:
         _check(0 <= self.mem_reserve_fraction < 1, "mem_reserve_fraction", "must be in [0, 1)")
         _check(self.prefix_cache_gb >= 0, "prefix_cache_gb", "must be >= 0")
         _check(0 <= self.cache_slack < 0.5, "cache_slack", "must be in [0, 0.5)")
+        _check(self.request_overhead_s >= 0, "request_overhead_s", "must be >= 0")
+        _check(_pos(self.compute_slowdown), "compute_slowdown", "must be > 0")
 
 
 @dataclass(frozen=True)

@@ -229,6 +229,8 @@ def graph_yaml(sc: Scenario, res: PlanResult, template_path: str | Path) -> str:
                            "relay_max_running": pol.relay_max_running, "kv_wait_timeout_s": pol.kv_wait_timeout_s})
     args["sites"].update({"prefill_replicas": b.counts["prefill"], "relay_replicas": b.counts["relay"],
                           "main_decode_replicas": b.counts["main_decode"]})
+    ls = sc.links[sc.plan.get("link", "inter_dc")]
+    args["link"] = {"preset": ls.preset, **{k: (list(v) if isinstance(v, tuple) else v) for k, v in ls.overrides}}
     if sc.plan.get("model_path"):
         args["model"]["path"] = sc.plan["model_path"]
     deps = [d for d in app.get("deployments", []) if not str(d.get("name", "")).startswith("MainDecode")]
@@ -241,7 +243,8 @@ def graph_yaml(sc: Scenario, res: PlanResult, template_path: str | Path) -> str:
             f"# P: {b.counts['prefill']} x {b.chip_a}, RLD: {b.counts['relay']} x {b.chip_a} (site a), "
             f"MD: {b.counts['main_decode']} x {b.chip_b} (site b); cost {b.cost:.2f}/h,\n"
             f"# simulated SLA goodput {res.best_goodput_rps:.2f} req/s, BCR {res.best_bcr:.4f}.\n"
-            f"# model.path must name the served checkpoint (the plan used the simulator's spec {sc.model.name}).\n")
+            f"# model.path must name the served checkpoint (the plan used the simulator's spec {sc.model.name});\n"
+            f"# the line's aggregate capacity ({sc.links[sc.plan.get('link', 'inter_dc')].line_gbps} Gb/s) is rented, not configured here.\n")
     return head + yaml.safe_dump(doc, sort_keys=False, default_flow_style=None)
 
 

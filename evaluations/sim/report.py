@@ -50,8 +50,9 @@ def goodput_of(sc: Scenario, dep: DeploymentSpec, hit: float | None = None, hori
 
 
 def _chips(sc: Scenario, dep: DeploymentSpec) -> str:
-    return " + ".join(f"{r.count} {r.chip} {role.replace('main_decode', 'MD').replace('prefill', 'P').replace('relay', 'RLD')}"
-                      for role, r in dep.roles().items())
+    roles = dep.roles()
+    short = {"prefill": "P", "relay": "RLD", "main_decode": "MD"}
+    return " + ".join(f"{roles[k].count} {roles[k].chip} {v}" for k, v in short.items() if k in roles)
 
 
 def _gain(a: float, b: float) -> float:
@@ -112,13 +113,13 @@ def run_report(sc: Scenario, progress: bool = True) -> dict[str, Any]:
 
 def format_report(res: dict[str, Any]) -> str:
     rows, head, ref = res["rows"], res["headline"], res["reference"]
-    out = [f"{'deployment':<13}{'chips':<38}{'cost/h':>8}{'goodput':>9}{'BCR':>8}   "
+    out = [f"{'deployment':<15}{'chips':<44}{'cost/h':>8}{'goodput':>9}{'BCR':>8}   "
            f"{'TTFT p50/p90/p99 (s)':<22}{'TPOT p90':>9}{'RLD tok':>8}  pipelines @ {head['compare_rate_rps']:.1f} req/s"]
     for name, r in rows.items():
         s = r["at_load"]
         ttft = f"{s['ttft_p50']:.2f}/{s['ttft_p90']:.2f}/{s['ttft_p99']:.2f}"
         pipes = " ".join(f"{k}:{v}" for k, v in sorted(s["pipelines"].items()))
-        out.append(f"{name:<13}{r['chips']:<38}{r['cost_per_hour']:>8.2f}{r['goodput_rps']:>9.2f}{r['bcr']:>8.3f}   "
+        out.append(f"{name:<15}{r['chips']:<44}{r['cost_per_hour']:>8.2f}{r['goodput_rps']:>9.2f}{r['bcr']:>8.3f}   "
                    f"{ttft:<22}{s['tpot_p90'] * 1e3:>7.1f}ms{s['rld_token_share']:>8.1%}  {pipes}")
     out.append("")
     out.append(f"{'headline':<34}{'simulated':>10}{'PDD.md':>10}")
@@ -227,12 +228,12 @@ def run_trace(sc: Scenario, trace: str | None = None, limit: int | None = None, 
 
 def format_trace(res: dict[str, Any]) -> str:
     out = [f"{res['label']}  (span {res['span_s']:.0f} s of arrivals)",
-           f"{'deployment':<13}{'chips':<34}{'TTFT p50/p90/p99 (s)':<24}{'TPOT p90':>9}{'SLA att.':>9}"
-           f"{'RLD tok':>8}{'hit P/MD':>12}{'WAN GB':>9}{'sim s':>7}  pipelines"]
+           f"{'deployment':<15}{'chips':<44}{'TTFT p50/p90/p99 (s)':<24}{'TPOT p90':>9}{'SLA att.':>9}"
+           f"{'RLD tok':>8}{'hit P/MD':>12}{'KV GB':>9}{'sim s':>7}  pipelines"]
     for name, s in res["rows"].items():
         ttft = f"{s['ttft_p50']:.2f}/{s['ttft_p90']:.2f}/{s['ttft_p99']:.2f}"
         pipes = " ".join(f"{k}:{v}" for k, v in sorted(s["pipelines"].items()))
-        out.append(f"{name:<13}{s['chips']:<34}{ttft:<24}{s['tpot_p90'] * 1e3:>7.1f}ms{s['attainment']:>9.1%}"
+        out.append(f"{name:<15}{s['chips']:<44}{ttft:<24}{s['tpot_p90'] * 1e3:>7.1f}ms{s['attainment']:>9.1%}"
                    f"{s['rld_token_share']:>8.1%}{s['hit_p']:>6.2f}/{s['hit_md']:.2f}{s['wan_gb']:>9.0f}"
                    f"{s['sim_seconds']:>7.1f}  {pipes}")
     return "\n".join(out)

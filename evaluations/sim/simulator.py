@@ -15,6 +15,7 @@ Instances:
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -39,6 +40,14 @@ from pdd_serve.policy import LinkEstimate, MDStatus, catchup_done, choose_pipeli
 
 INF = math.inf
 _NO_EVICT = 1 << 62  # the caches evict in bulk at a watermark (see _cache_insert), not per insert
+
+
+def _slowed(c: ChipSpec, k: float) -> ChipSpec:
+    """Every forward k times slower (a shared machine), the chip's shape unchanged."""
+    if k == 1.0:
+        return c
+    return dataclasses.replace(c, peak_tflops=c.peak_tflops / k, mem_bw_gb_s=c.mem_bw_gb_s / k,
+                               forward_overhead_ms=c.forward_overhead_ms * k)
 
 
 # ---------------------------------------------------------------- prefill
@@ -320,7 +329,7 @@ class Simulation:
             return RadixCache(self.bs, self.block_bytes, _NO_EVICT)
 
         roles = dep.roles()
-        chips = sc.chips
+        chips = {n: _slowed(c, sched.compute_slowdown) for n, c in sc.chips.items()}
         rp, rm = roles["prefill"], roles["main_decode"]
         self.ps = [PrefillInstance(self, i, chips[rp.chip], rp.chips_per_instance, cache(), cache_bytes)
                    for i in range(rp.instances)]
@@ -355,8 +364,9 @@ class Simulation:
     def run(self) -> list[SimRequest]:
         t0 = time.perf_counter()
         reqs = self.wl.requests
+        delay = self.sc.scheduler.request_overhead_s
         for r in reqs:
-            self.at(r.arrival, self._arrive, r)
+            self.at(r.arrival + delay, self._arrive, r)
         bar = None
         if self.progress:
             from tqdm import tqdm

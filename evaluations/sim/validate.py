@@ -143,6 +143,35 @@ def predicted(sc: Scenario, graph: str, wl: Workload, ttft_s: float, tpot_s: flo
             "sim_seconds": sim.wall_s}
 
 
+def fit_platform(sc: Scenario, graph: str, rows: list[dict[str, Any]], ttft_s: float, tpot_s: float
+                 ) -> tuple[Scenario, dict[str, Any]]:
+    """Fit the control plane (scheduler.request_overhead_s: Serve RPCs, object-store puts, HTTP
+    before a request's prefill) on ONE graph's records, by a grid search on the log errors of
+    TTFT P50 and P90; the engine timings can't see it, and it is no chip property. The other
+    graphs are then predicted out of sample. (A compute-slowdown factor for the machine's other
+    tenants was tried as a second parameter and made every graph's P90 worse: queueing behind
+    long prefills then dominates, so it stays at 1.)"""
+    import dataclasses
+
+    from evaluations.sim.metrics import ttft
+    from evaluations.sim.simulator import Simulation
+
+    ok_rows = [r for r in rows if not r.get("error")]
+    meas = measured(ok_rows, ttft_s, tpot_s)
+    best: tuple[float, float] | None = None
+    for ov in np.linspace(0.0, 0.5, 51):
+        sc2 = dataclasses.replace(sc, scheduler=dataclasses.replace(sc.scheduler, request_overhead_s=float(ov)))
+        reqs = Simulation(sc2, sc2.deployments[graph], records_to_workload(ok_rows, sc.workload.block_size)).run()
+        tt = [ttft(r, sc2.sla) for r in reqs]
+        loss = sum(math.log(a / b) ** 2 for a, b in ((float(np.percentile(tt, 50)), meas["ttft_p50"]),
+                                                     (float(np.percentile(tt, 90)), meas["ttft_p90"])) if a > 0 and b > 0)
+        if best is None or loss < best[0]:
+            best = (loss, float(ov))
+    assert best is not None
+    sc2 = dataclasses.replace(sc, scheduler=dataclasses.replace(sc.scheduler, request_overhead_s=best[1]))
+    return sc2, {"request_overhead_s": round(best[1], 4), "fit_graph": graph}
+
+
 def validate(sc: Scenario, rows: list[dict[str, Any]], ttft_s: float, tpot_s: float,
              graphs: list[str] | None = None) -> dict[str, Any]:
     by_graph: dict[str, list[dict[str, Any]]] = {}
@@ -157,10 +186,17 @@ def validate(sc: Scenario, rows: list[dict[str, Any]], ttft_s: float, tpot_s: fl
                                  f"(has {', '.join(sc.deployments)}); pass --graph")
         meas = measured(grows, ttft_s, tpot_s)
         pred = predicted(sc, g, records_to_workload(grows, sc.workload.block_size), ttft_s, tpot_s)
-        err = {k: (pred[k] - meas[k]) / meas[k] if meas[k] and math.isfinite(meas[k]) else math.nan
-               for k in ("ttft_p50", "ttft_p90", "goodput_rps")}
+        err = {k: _rel(pred[k], meas[k]) for k in ("ttft_p50", "ttft_p90", "goodput_rps")}
         out[g] = {"requests": len(grows), "measured": meas, "predicted": pred, "rel_error": err}
     return out
+
+
+def _rel(pred: float, meas: float) -> float:
+    if not (math.isfinite(pred) and math.isfinite(meas)):
+        return math.nan
+    if meas == 0:
+        return 0.0 if pred == 0 else math.inf
+    return (pred - meas) / meas
 
 
 def format_validation(res: dict[str, Any], tol: float) -> str:
@@ -215,8 +251,7 @@ def _engine_timings(repeats: int = 5) -> dict[str, list[tuple[Any, float]]]:
             seqs = [eng.add(f"d{i}", prompt(256), SamplingParams(40, ignore_eos=True)) for i in range(b)]
             for s in seqs:
                 eng.prefill(s, use_cache=False)
-            steps = 16
-            ts.append(timed(lambda seqs=seqs: [eng.decode_step(seqs) for _ in range(steps)]) / steps)
+            ts.append(timed(lambda seqs=seqs: [eng.decode_step(seqs) for _ in range(16)]) / 16)
             for s in seqs:
                 eng.release(s)
         out["decode"].append((b, min(ts)))
@@ -225,7 +260,8 @@ def _engine_timings(repeats: int = 5) -> dict[str, list[tuple[Any, float]]]:
         for _ in range(repeats):
             s = eng.add("e", prompt(256), SamplingParams(n + 4, ignore_eos=True))
             eng.prefill(s, use_cache=False)
-            ts.append(timed(lambda s=s: eng.extend(s, prompt(n))))
+            ids = prompt(n)
+            ts.append(timed(lambda s=s, ids=ids: eng.extend(s, ids)))
             eng.release(s)
         out["extend"].append((n, min(ts)))
     return out
@@ -345,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--graph", default=None, help="only this graph (or the graph of a file without a graph column)")
     ap.add_argument("--sla-ttft", type=float, default=None, help="SLA TTFT bound, s (default: the scenario's)")
     ap.add_argument("--sla-tpot", type=float, default=None, help="SLA TPOT bound, s (default: the scenario's)")
+    ap.add_argument("--fit-platform", metavar="GRAPH", default=None,
+                    help="fit the control-plane overhead on this graph's records (e.g. pd_same_dc), "
+                         "then predict the other graphs out of sample")
     ap.add_argument("--tolerance", type=float, default=0.2, help="relative error flagged (default: %(default)s)")
     ap.add_argument("--calibrate", action="store_true", help="time the CPU engine and fit cpu_small.yaml")
     ap.add_argument("--repeats", type=int, default=5, help="calibration repetitions (default: %(default)s)")
@@ -369,13 +408,23 @@ def main(argv: list[str] | None = None) -> int:
         rows = read_records(args.records)
         ttft_s = args.sla_ttft or sc.sla.ttft_s
         tpot_s = args.sla_tpot or sc.sla.tpot_s
+        platform = None
+        if args.fit_platform:
+            fit_rows = [r for r in rows if str(r.get("graph") or args.fit_platform) == args.fit_platform]
+            if not fit_rows or args.fit_platform not in sc.deployments:
+                raise SimConfigError(f"--fit-platform {args.fit_platform}: no such graph in the records/scenario")
+            sc, platform = fit_platform(sc, args.fit_platform, fit_rows, ttft_s, tpot_s)
+            print(f"control plane fitted on {args.fit_platform} (in-sample): request overhead "
+                  f"{platform['request_overhead_s']:.3f} s; the other graphs are out of sample")
         res = validate(sc, rows, ttft_s, tpot_s, [args.graph] if args.graph else None)
     except SimConfigError as e:
         print(f"validate: error: {e}", file=sys.stderr)
         return 2
     print(format_validation(res, args.tolerance))
-    worst = max((abs(e) for r in res.values() for e in r["rel_error"].values() if math.isfinite(e)), default=math.nan)
-    print(json.dumps({"records": args.records, "sla_ttft_s": ttft_s, "sla_tpot_s": tpot_s, "max_abs_rel_error": worst,
+    held = {g: r for g, r in res.items() if platform is None or g != platform["fit_graph"]}
+    worst = max((abs(e) for r in held.values() for e in r["rel_error"].values() if math.isfinite(e)), default=math.nan)
+    print(json.dumps({"records": args.records, "sla_ttft_s": ttft_s, "sla_tpot_s": tpot_s, "platform": platform,
+                      "max_abs_rel_error_out_of_sample" if platform else "max_abs_rel_error": worst,
                       "within_tolerance": bool(worst <= args.tolerance),
                       "graphs": {g: {"rel_error": r["rel_error"], "measured": {k: r["measured"][k] for k in
                                  ("ttft_p50", "ttft_p90", "goodput_rps")},

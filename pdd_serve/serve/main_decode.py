@@ -30,6 +30,7 @@ class MainDecode:
         self.engine = load_engine(cfg.model, enable_prefix_cache=cfg.policy.drc)
         self.worker = EngineWorker(self.engine, cfg.model.max_batch)
         self.where = placement()
+        self.started_at = time.time()
         self.flight = self._new_flight()
         self.seqs: dict[str, Sequence] = {}
         self._kv: dict[str, asyncio.Task] = {}
@@ -159,7 +160,8 @@ class MainDecode:
         return ReplicaStats("main_decode", len(self.seqs), e.pool.num_free, e.pool.num_blocks,
                             e.cache.num_blocks if e.cache else 0, e.cache.stats.hit_rate if e.cache else 0.0,
                             {"flight": self.flight.location, "index": self.index,
-                             "flight_bytes_reserved": self.flight.bytes_reserved, **self.where})
+                             "flight_bytes_reserved": self.flight.bytes_reserved, "started_at": self.started_at,
+                             **self.where})
 
     # ------------------------------------------------------------ helpers
 
