@@ -300,7 +300,15 @@ def _run_runs(args: argparse.Namespace) -> int:
     for r in rows:
         if r.get("workload.workload"):
             r["workload"] = r["workload.workload"]
-        r["run"] = (r["run"] or "")[:40]
+        if r.get("hit_rate") is not None and not r.get("graph"):  # a sweep point: PDD's figures and ratios
+            for k in ("requests", "ttft_p50_s", "ttft_p90_s", "tt2t_p90_s", "tpot_p50_s", "goodput_rps",
+                      "bcr_req_per_usd"):
+                r.setdefault(k, r.get(f"pdd.{k}"))
+            r["graph"] = "pdd vs x-DC"
+            r.setdefault("goodput_vs_cross_dc", r.get("goodput_ratio"))
+            if r.get("tt2t_p90_speedup"):
+                r.setdefault("p90_tt2t_vs_cross_dc", 1 / r["tt2t_p90_speedup"])
+        r["run"] = (r["run"] or "")[:32]
     print(simple_table(rows, RUN_COLUMNS))
     return 0
 

@@ -221,12 +221,12 @@ def _log_compare(tracker: Any, workload: Workload, cfg: CompareConfig, results: 
 
     common = common_params(workload, cfg.sla, cfg.load, site_chips, cfg.catalog, cfg.repeats)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    parent = tracker.start(f"compare {workload.name} {stamp}", tags={"kind": "compare"})
+    parent = tracker.start(f"compare {workload.name}", tags={"kind": "compare"})
     ids = {"parent": parent}
     try:
         for name, res in results.items():
             g = res.graph
-            run = tracker.start(f"{name} {workload.name} {stamp}", parent=parent, tags={"kind": "graph"})
+            run = tracker.start(f"{name} {workload.name}", parent=parent, tags={"kind": "graph"})
             ids[name] = run
             cost = hardware_cost(g.cfg, site_chips, catalog)
             params = {**common, "graph": name, "graph_file": str(g.source), **link_params(g),

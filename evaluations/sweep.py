@@ -158,13 +158,13 @@ def _log_sweep(tracker: Any, cfg: SweepConfig, graphs: Any, workloads: Any, per_
     from evaluations.tracking import flat_metrics
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    parent = tracker.start(f"sweep hit-rate {stamp}", tags={"kind": "sweep"})
+    parent = tracker.start("sweep hit-rate", tags={"kind": "sweep"})
     cross = next(g for g in graphs if g.cross_site)
     shared = {"points": ",".join(f"{h:g}" for h in cfg.points), "graphs": ",".join(g.name for g in graphs),
               **link_params(cross)}
     try:
         for h, w, row in zip(cfg.points, workloads, rows):
-            run = tracker.start(f"hit {h:g} {stamp}", parent=parent, tags={"kind": "sweep-point"})
+            run = tracker.start(f"hit {h:g}", parent=parent, tags={"kind": "sweep-point"})
             params = {**common_params(w, cfg.sla, cfg.load, site_chips, cfg.catalog, 1), **shared, "hit_rate": h}
             metrics: dict[str, Any] = {k: v for k, v in row.items() if isinstance(v, (int, float))}
             for g in graphs:

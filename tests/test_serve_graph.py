@@ -24,6 +24,7 @@ from pdd_serve.models import default_model_path
 
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[1]
+API_KEY = "sk-pdd-test"
 
 
 def _free_port() -> int:
@@ -40,7 +41,7 @@ def graph(ray_two_sites, tmp_path_factory):
     prod = yaml.safe_load((ROOT / "graphs/pdd.yaml").read_text())
     app_prod = prod["applications"][0]
     app_prod.update(name="pdd_prod", route_prefix="/prod")
-    app_prod["args"]["sites"]["relay_replicas"] = 1
+    app_prod["args"]["server"] = {"api_keys": [API_KEY], "max_queue": 3}
     doc = {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": port},
            "applications": [dev["applications"][0], app_prod]}
     path = tmp_path_factory.mktemp("graph") / "graphs.yaml"
@@ -237,9 +238,49 @@ def test_cancelled_stream_frees_relay_and_md(graph):
 ])
 def test_bad_http_input_gets_openai_errors(graph, path, body, status, param):
     kw = {"content": body} if isinstance(body, bytes) else {"json": body}
-    r = httpx.post(f"{graph}{path}/v1/completions", headers={"content-type": "application/json"}, timeout=60, **kw)
+    headers = {"content-type": "application/json", "authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(f"{graph}{path}/v1/completions", headers=headers, timeout=60, **kw)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["message"] and err["type"]
     if param:
         assert err["param"] == param
+
+
+def test_api_keys_are_required_when_configured(graph):
+    body = {"model": "pdd-small", "prompt": "hi", "max_tokens": 2, "temperature": 0}
+    for headers in ({}, {"authorization": "Bearer wrong"}):
+        r = httpx.post(f"{graph}/prod/v1/completions", json=body, headers=headers, timeout=60)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = httpx.get(f"{graph}/prod/v1/models", timeout=60)
+    assert r.status_code == 401
+    r = httpx.post(f"{graph}/prod/v1/completions", json=body, headers={"authorization": f"Bearer {API_KEY}"},
+                   timeout=60)
+    assert r.status_code == 200
+
+
+def test_overload_gets_clean_503_and_accepted_requests_complete(graph, ref_engine):
+    """2x the router's queue bound (server.max_queue: 3) at once: the excess is refused at once
+    with 503 + Retry-After (no unbounded queueing), everything admitted completes correctly."""
+    jobs = [_cold_prompt(300 + i, 400) for i in range(6)]
+
+    async def one(client: httpx.AsyncClient, prompt: list[int]) -> httpx.Response:
+        body = {"model": "pdd-small", "prompt": prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}
+        return await client.post(f"{graph}/prod/v1/completions", json=body, timeout=300,
+                                 headers={"authorization": f"Bearer {API_KEY}"})
+
+    async def main():
+        async with httpx.AsyncClient() as client:
+            return await asyncio.gather(*(one(client, p) for p in jobs))
+
+    t0 = time.monotonic()
+    results = asyncio.run(main())
+    codes = [r.status_code for r in results]
+    assert set(codes) <= {200, 503} and codes.count(503) >= 1 and codes.count(200) >= 3, codes
+    for prompt, r in zip(jobs, results):
+        if r.status_code == 503:
+            assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["type"] == "overloaded_error"
+        else:
+            assert r.json()["choices"][0]["token_ids"] == _ref_ignore_eos(ref_engine, prompt, 48)
+    assert time.monotonic() - t0 < 120

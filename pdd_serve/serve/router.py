@@ -128,6 +128,10 @@ class Router:
                 self.metrics.rejected.inc(tags={"reason": "queue_full"})
                 raise oai.APIError(503, "overloaded_error", f"the router has {self.in_flight} requests in flight "
                                    f"(server.max_queue); retry later", retry_after=1.0)
+        except oai.APIError as e:
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
+        self.in_flight += 1  # admitted: counted until its generation ends (in _tokens) or it is refused
+        try:
             raw = await request.body()
             creq = oai.parse_request(raw, kind, self.cfg.server, self.tokenizer, self.max_model_len,
                                      self.cfg.policy.allow_overrides)
@@ -138,7 +142,11 @@ class Router:
             params = SamplingParams(creq.max_tokens, creq.temperature, creq.top_p, creq.top_k, creq.seed,
                                     creq.stop_token_ids, creq.ignore_eos)
         except oai.APIError as e:
+            self.in_flight -= 1
             return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
+        except BaseException:
+            self.in_flight -= 1
+            raise
         rid = oai.new_request_id(kind)
         st = RequestState(GenRequest(f"{rid}-{uuid.uuid4().hex[:6]}", creq.prompt_token_ids, params))
         self.orch.link = self._link_estimate()
@@ -150,7 +158,6 @@ class Router:
         """(text delta, token id) per token (id None for the final flush), string stops applied."""
         detok = oai.IncrementalDetokenizer(self.tokenizer, creq.prompt_token_ids, creq.stop)
         gen = self.orch.run(st, creq.pdd_override)
-        self.in_flight += 1
         t_prev = None
         try:
             async for toks in gen:
