@@ -88,6 +88,7 @@ class PolicyConfig:
     prefill_retries: int = 2
     allow_fault_injection: bool = False  # the `inject` control calls the tests and the soak use (dev graphs)
     allow_overrides: bool = False  # honour a request body's `pdd: {pipeline, handoff_mode}`
+    stream_first_token: bool = False  # P->MD: send P's first token before MD has the KV (not what PD systems do)
     drc: bool = True  # decode-side radix cache at MD
 
     def __post_init__(self) -> None:

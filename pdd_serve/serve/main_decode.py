@@ -35,6 +35,7 @@ class MainDecode:
         self.seqs: dict[str, Sequence] = {}
         self._kv: dict[str, asyncio.Task] = {}
         self._t_prepare: dict[str, float] = {}
+        self._decoding: set[str] = set()
         logger.info("MainDecode %d: Flight at %s", index, self.flight.location)
 
     # ------------------------------------------------------------ control plane
@@ -48,6 +49,7 @@ class MainDecode:
         """Register a request: adopt its DRC prefix and expect the rest of the prompt over Flight."""
         if req.request_id in self.seqs:  # a re-delivery after a lost transfer: start the request over
             await self._drop(req.request_id, cache=False)
+        await self._reap_orphans()
         seq = self.engine.add(req.request_id, list(req.prompt_token_ids), req.params)
         hit = await self.worker.call(self.engine.match_prefix, seq) if self.engine.cache is not None else 0
         bs = self.engine.block_size
@@ -100,6 +102,7 @@ class MainDecode:
         """Take over a request: extend over the committed tokens MD lacks, then decode in the
         shared batch. `committed` is everything the client has seen (the router's truth)."""
         final: TokenChunk | None = None
+        self._decoding.add(request_id)
         try:
             seq = await self._ready(request_id, timeout_s)
             have = len(seq.output_ids)
@@ -117,6 +120,7 @@ class MainDecode:
                             break
                         yield TokenChunk(step.token_ids)
         finally:
+            self._decoding.discard(request_id)
             await self._drop(request_id, cache=final is not None)
         if final is not None:  # released first: the last chunk leaves nothing behind
             yield final
@@ -164,6 +168,15 @@ class MainDecode:
                              **self.where})
 
     # ------------------------------------------------------------ helpers
+
+    async def _reap_orphans(self) -> None:
+        """Drop requests registered long ago that no one came to decode (their router gave up on
+        this replica, e.g. a prepare that answered after the router's timeout): nothing leaks."""
+        ttl = 4 * self.cfg.policy.kv_wait_timeout_s + self.cfg.flight.deadline_s
+        now = time.monotonic()
+        for rid, t in list(self._t_prepare.items()):
+            if now - t > ttl and rid not in self._decoding:
+                await self._drop(rid, cache=False)
 
     def _new_flight(self):  # -> KVFlightServer
         from pdd_serve.transport.flight import KVFlightServer

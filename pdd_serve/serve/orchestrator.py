@@ -122,17 +122,26 @@ class Orchestrator:
         try:
             target = None
             if dec.pipeline != "P-RLD":
-                prep = await self._bounded(self.b.md_prepare(md, gen), "MD prepare")
-                prepared = True
-                info.md_replica = md
-                info.prefix_hit_md = prep.hit_tokens / len(prompt)
-                target = KVTarget(prep.flight_location, prep.start_block)
+                prep = await self._prepare_any(st, md, statuses)
+                if prep is None:  # no MD answers: RLD serves it alone, as for anomalous traffic
+                    info.pipeline = dec.pipeline = "P-RLD"
+                else:
+                    md = prep.md_index
+                    prepared = True
+                    info.md_replica = md
+                    info.prefix_hit_md = prep.hit_tokens / len(prompt)
+                    target = KVTarget(prep.flight_location, prep.start_block)
             pre = await self._prefill(st, PrefillRequest(gen, dec.pipeline != "P-MD", target))
             info.prefix_hit_p = pre.prefix_hit_tokens / len(prompt)
             info.wan_bytes = pre.wan_bytes
-            info.ttft_s = time.monotonic() - st.t0
             st.committed.append(pre.first_token)
-            yield [pre.first_token]
+            # P->MD streams from MD, as a PD system does: the first token leaves with MD's first
+            # chunk, once MD holds the KV (policy.stream_first_token: send P's token at once instead).
+            # On the relay pipelines RLD's stream starts at once, so P's first token goes now.
+            held = dec.pipeline == "P-MD" and not pol.stream_first_token and pre.finish_reason is None
+            if not held:
+                info.ttft_s = time.monotonic() - st.t0
+                yield [pre.first_token]
             if pre.finish_reason is not None:
                 st.finish_reason = pre.finish_reason
                 if prepared:
@@ -149,6 +158,9 @@ class Orchestrator:
             # stop MD) must not wait for garbage collection
             async with contextlib.aclosing(inner):
                 async for toks in inner:
+                    if held:
+                        toks, held = [pre.first_token, *toks], False
+                        info.ttft_s = time.monotonic() - st.t0
                     yield toks
             prepared = False  # MD released the request itself (decode/absorb ended it)
         finally:
@@ -355,6 +367,19 @@ class Orchestrator:
                 await self._close(relay_it)
 
     # ------------------------------------------------------------ helpers
+
+    async def _prepare_any(self, st: RequestState, first: int, statuses: list[MDStatus]) -> MDPrepareReply | None:
+        """Register the request at MD `first`, or at the next healthy one when it does not answer."""
+        order = [first] + [s.index for s in sorted(statuses, key=lambda s: (not s.healthy, s.running))
+                           if s.index != first]
+        for i in order:
+            try:
+                return await self._bounded(self.b.md_prepare(i, st.gen), "MD prepare")
+            except Exception as e:  # noqa: BLE001 - a dead or restarting MD: try the next
+                self._fallback(st, "md_unavailable", f"MD {i}: {type(e).__name__}: {e}")
+        if not self.cfg.uses_relay:
+            raise RuntimeError("no main decode replica answered and this graph has no relay")
+        return None
 
     async def _prefill(self, st: RequestState, preq: PrefillRequest) -> PrefillResult:
         """Prefill with bounded retries: a replica that dies mid-prefill is retried on another

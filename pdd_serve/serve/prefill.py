@@ -29,7 +29,8 @@ class _BlockFeed:
 
     def __init__(self, target: KVTarget, fault: tuple[str, float] | None = None) -> None:
         self.target = target
-        self.fault = fault  # ("stall", seconds) | ("cut", 0): applied after the first run is sent
+        self.fault = fault  # ("stall", seconds) | ("cut", 0), injected by tests and the soak
+        self.applied: str | None = None
         self.next_block = target.start_block
         self.q: queue.Queue[KVBlocks | None] = queue.Queue()
         self.nbytes = 0
@@ -46,15 +47,14 @@ class _BlockFeed:
             self.q.put(None)
 
     def __iter__(self):
-        sent = 0
         while (run := self.q.get()) is not None:
-            if sent and self.fault is not None:  # mid-transfer: some blocks are already across
+            if self.fault is not None:  # the stream is open: the link dies or stalls under it
                 kind, seconds = self.fault
                 self.fault = None
+                self.applied = kind
                 if kind == "cut":
                     raise LinkCut("injected: the inter-site link was cut mid-transfer")
                 time.sleep(seconds)
-            sent += 1
             yield run
 
 
