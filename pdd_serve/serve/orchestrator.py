@@ -43,6 +43,36 @@ def _spawn(aw: Awaitable[T]) -> asyncio.Future[T]:
     return fut
 
 
+class _RelayReader:
+    """RLD's token stream for one request, read in phases (until the KV is ready, until a catch-up
+    batch lands, or to the end) and cut at the handoff."""
+
+    def __init__(self, orch: Orchestrator, st: RequestState, stream: Any) -> None:
+        self.o, self.st = orch, st
+        self.it = stream.__aiter__()
+        self.nxt: asyncio.Future = _spawn(self.it.__anext__())
+        self.finished = False  # RLD produced the finish reason
+        self.closed = False
+
+    async def until(self, fut: asyncio.Future | None) -> AsyncIterator[list[int]]:
+        """Commit and yield RLD's tokens until `fut` completes (None: until RLD finishes)."""
+        while not self.finished and (fut is None or not fut.done()):
+            await self.o._wait_any(self.nxt, fut)
+            if self.nxt.done():
+                toks, self.finished = self.o._take(self.st, self.nxt)
+                if toks:
+                    yield toks
+                if not self.finished:
+                    self.nxt = _spawn(self.it.__anext__())
+
+    async def cut(self) -> None:
+        """Stop RLD (its KV is freed); a token it produced past the cut was never committed."""
+        self.closed = True
+        if not self.nxt.done():
+            self.nxt.cancel()
+        await Orchestrator._close(self.it)
+
+
 class Backends(Protocol):
     """What the orchestrator needs from the deployments (the Router adapts Serve handles)."""
 
@@ -269,32 +299,24 @@ class Orchestrator:
     async def _relay_then_md(self, st: RequestState, md: int, pre: PrefillResult,
                              forced_mode: str | None) -> AsyncIterator[list[int]]:
         rid, pol = st.gen.request_id, self.cfg.policy
-        relay_it = self.b.relay(RelayRequest(st.gen, tuple(st.committed), pre.kv_ref)).__aiter__()
+        relay = _RelayReader(self, st, self.b.relay(RelayRequest(st.gen, tuple(st.committed), pre.kv_ref)))
         self.relay_running += 1
-        nxt: asyncio.Future | None = _spawn(relay_it.__anext__())
         kv: asyncio.Future = _spawn(self.b.md_wait_kv(md, rid, self.timeout))
         batch: asyncio.Future | None = None
-        relay_open = True
         try:
             # Phase 1: eager tokens from RLD while the KV crawls to MD
             try:
-                while not kv.done():
-                    await self._wait_any(nxt, kv)
-                    if nxt.done():
-                        toks, fin = self._take(st, nxt)
-                        if toks:
-                            yield toks
-                        if fin:  # RLD finished it first: MD still absorbs it so the caches stay aligned
-                            self._background(self.b.md_absorb(md, rid, list(st.committed), self.timeout))
-                            return
-                        nxt = _spawn(relay_it.__anext__())
+                async for toks in relay.until(kv):
+                    yield toks
             except Exception as e:  # noqa: BLE001 - RLD failed or saturated: MD takes the request
                 self._fallback(st, "relay_lost", f"{type(e).__name__}: {e}")
-                relay_open = await self._cut_relay(relay_it, nxt)
-                self.relay_running -= 1
+                await self._end_relay(relay)
                 async with contextlib.aclosing(self._from_md_recovering(st, md)) as stream:
                     async for toks in stream:
                         yield toks
+                return
+            if relay.finished:  # RLD finished it first: MD still absorbs it so the caches stay aligned
+                self._background(self.b.md_absorb(md, rid, list(st.committed), self.timeout))
                 return
             ready: KVReady = kv.result()
             st.info.kv_ready_s = time.monotonic() - st.t0
@@ -302,55 +324,36 @@ class Orchestrator:
             if not ready.ok:  # the KV did not make it in time: RLD finishes the request alone
                 self._fallback(st, "kv_timeout", f"relay finished: {ready.error}")
                 self._background(self.b.md_abort(md, rid))
-                while True:
-                    await self._wait_any(nxt)
-                    toks, fin = self._take(st, nxt)
-                    if toks:
-                        yield toks
-                    if fin:
-                        return
-                    nxt = _spawn(relay_it.__anext__())
+                async for toks in relay.until(None):
+                    yield toks
+                return
             mode = plan_handoff(st.info.eager_tokens, self.relay_running, pol, forced_mode)
             st.info.handoff_mode = mode
-            if mode == "catch-up":
-                # Phase 2: hand committed tokens over in batches while RLD keeps generating
-                md_has = 0  # output tokens whose KV MD has built
-                while not catchup_done(len(st.committed) - md_has, pol):
-                    # keep the last committed token back: the final extend needs its logits
-                    send = st.committed[md_has:-1]
-                    batch = _spawn(self.b.md_handoff_batch(md, rid, send, self.timeout))
-                    st.info.handoff_batches += 1
-                    while not batch.done():
-                        await self._wait_any(nxt, batch)
-                        if nxt.done():
-                            toks, fin = self._take(st, nxt)
-                            if toks:
-                                yield toks
-                            if fin:
-                                with contextlib.suppress(Exception):
-                                    await batch
-                                self._background(self.b.md_absorb(md, rid, list(st.committed), self.timeout))
-                                return
-                            nxt = _spawn(relay_it.__anext__())
-                    try:
-                        md_has = batch.result()
-                    except Exception as e:  # noqa: BLE001 - MD failed mid-handoff: RLD is still running
-                        self._fallback(st, "md_lost", f"catch-up batch: {type(e).__name__}: {e}")
-                        st.info.handoff_mode = "none"
-                        self._background(self.b.md_abort(md, rid))
-                        while True:
-                            await self._wait_any(nxt)
-                            toks, fin = self._take(st, nxt)
-                            if toks:
-                                yield toks
-                            if fin:
-                                return
-                            nxt = _spawn(relay_it.__anext__())
-                    batch = None
+            md_has = 0  # output tokens whose KV MD has built
+            # Phase 2 (catch-up): hand committed tokens over in batches while RLD keeps generating;
+            # each batch keeps the last committed token back, the final extend needs its logits
+            while mode == "catch-up" and not catchup_done(len(st.committed) - md_has, pol):
+                batch = _spawn(self.b.md_handoff_batch(md, rid, st.committed[md_has:-1], self.timeout))
+                st.info.handoff_batches += 1
+                async for toks in relay.until(batch):
+                    yield toks
+                if relay.finished:
+                    with contextlib.suppress(Exception):
+                        await batch
+                    self._background(self.b.md_absorb(md, rid, list(st.committed), self.timeout))
+                    return
+                try:
+                    md_has = batch.result()
+                except Exception as e:  # noqa: BLE001 - MD failed mid-handoff: RLD is still running
+                    self._fallback(st, "md_lost", f"catch-up batch: {type(e).__name__}: {e}")
+                    st.info.handoff_mode = "none"
+                    self._background(self.b.md_abort(md, rid))
+                    async for toks in relay.until(None):
+                        yield toks
+                    return
             st.info.handoff_batches += 1  # the final extend carries the last token ids
             # Phase 3: cut RLD at what the client has seen; MD extends over the rest and goes on
-            relay_open = await self._cut_relay(relay_it, nxt)
-            self.relay_running -= 1
+            await self._end_relay(relay)
             first = True
             async with contextlib.aclosing(self._from_md_recovering(st, md)) as from_md:
                 async for toks in from_md:
@@ -359,12 +362,15 @@ class Orchestrator:
                         first = False
                     yield toks
         finally:
-            for t in (nxt, kv, batch):
+            for t in (kv, batch):
                 if t is not None and not t.done():
                     t.cancel()
-            if relay_open:
-                self.relay_running -= 1
-                await self._close(relay_it)
+            await self._end_relay(relay)
+
+    async def _end_relay(self, relay: _RelayReader) -> None:
+        if not relay.closed:
+            self.relay_running -= 1
+            await relay.cut()
 
     # ------------------------------------------------------------ helpers
 
@@ -411,12 +417,6 @@ class Orchestrator:
                                      return_when=asyncio.FIRST_COMPLETED)
         if not done:
             raise TimeoutError(f"no progress for {self.timeout:.0f}s")
-
-    async def _cut_relay(self, relay_it: Any, nxt: asyncio.Future | None) -> bool:
-        if nxt is not None and not nxt.done():
-            nxt.cancel()
-        await self._close(relay_it)
-        return False
 
     def _take(self, st: RequestState, nxt: asyncio.Task) -> tuple[list[int], bool]:
         """Commit a finished relay chunk; (tokens, finished)."""
