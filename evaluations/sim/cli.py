@@ -27,7 +27,8 @@ Modes:
                                          one run per deployment at 15 req/s (quick look)
   pdd simulate --trace FILE.jsonl        replay a Mooncake-format trace at its own arrival times
                                          (default scenario: mooncake); JSON has sim_seconds
-  pdd simulate --bathtub                 benefit (BCR) vs hit rate; writes a PNG
+  pdd simulate --bathtub                 benefit (BCR) vs hit rate; writes a PNG (slow)
+  pdd simulate --tail-curve              one prefill instance vs hit rate per tail-chunk mode (fast)
 
 Prints a table, then ONE final JSON line (bcr_gain, ttft_reduction, goodput_gain,
 rld_token_share, ...). Scenarios: evaluations/sim/scenarios/*.yaml; chips: evaluations/sim/chips.yaml.
@@ -52,11 +53,14 @@ def _add_simulate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=None, help="replay only the first N trace requests")
     p.add_argument("--rate", type=float, default=None, help="one run per deployment at this arrival rate (req/s)")
     p.add_argument("--deployments", default=None, help="comma-separated subset of the scenario's deployments")
-    p.add_argument("--bathtub", action="store_true", help="sweep a constant hit rate; plot BCR vs hit")
+    p.add_argument("--bathtub", action="store_true", help="sweep a constant hit rate; plot BCR vs hit (slow: a goodput search per point)")
+    p.add_argument("--tail-curve", action="store_true",
+                   help="one saturated prefill instance vs hit rate for each tail-chunk mode (fast); plot it")
     p.add_argument("--tail-chunk", default=None,
                    help="override scheduler.tail_chunk: alone|packed|padded (comma-separated with --bathtub)")
     p.add_argument("--horizon", type=float, default=None, help="seconds of arrivals per goodput probe (override)")
-    p.add_argument("--plot", default=str(_SIM_DIR / "bathtub.png"), help="bathtub PNG path (default: %(default)s)")
+    p.add_argument("--plot", default=None,
+                   help="PNG path (default: evaluations/sim/bathtub.png, or bathtub_prefill.png with --tail-curve)")
     p.add_argument("--out", default=None, metavar="JSON", help="also write the full result as JSON here")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -99,9 +103,9 @@ def _json_line(d: dict[str, Any]) -> str:
 def _run_simulate(args: argparse.Namespace) -> int:
     import dataclasses
 
-    modes = sum(bool(x) for x in (args.trace, args.rate is not None, args.bathtub))
+    modes = sum(bool(x) for x in (args.trace, args.rate is not None, args.bathtub, args.tail_curve))
     if modes > 1:
-        raise UsageError("pdd simulate: error: --trace, --rate and --bathtub are separate modes; pick one")
+        raise UsageError("pdd simulate: error: --trace, --rate, --bathtub and --tail-curve are separate modes; pick one")
     if args.rate is not None and not (args.rate > 0 and math.isfinite(args.rate)):
         raise UsageError("pdd simulate: error: --rate must be > 0")
     if args.limit is not None and args.limit <= 0:
@@ -112,6 +116,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
         raise UsageError(f"pdd simulate: error: --trace {args.trace}: no such file")
     from evaluations.sim.config import TAIL_CHUNK_MODES, SimConfigError
     from evaluations.sim.report import (
+        _chips,
         format_report,
         format_trace,
         plot_bathtub,
@@ -126,7 +131,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
     sc = _load(args.scenario or ("mooncake" if args.trace else "report"))
     tails = args.tail_chunk.split(",") if args.tail_chunk else []
     bad = [t for t in tails if t not in TAIL_CHUNK_MODES]
-    if bad or (len(tails) > 1 and not args.bathtub):
+    if bad or (len(tails) > 1 and not (args.bathtub or args.tail_curve)):
         raise UsageError(f"pdd simulate: error: --tail-chunk must be one of {', '.join(TAIL_CHUNK_MODES)}"
                          + (" (several only with --bathtub)" if not bad else f", got {bad[0]!r}"))
     if len(tails) == 1:
@@ -159,18 +164,28 @@ def _run_simulate(args: argparse.Namespace) -> int:
                 s, _ = simulate(sc, sc.deployments[name], synthetic(sc.workload, rate_rps=args.rate, requests=n),
                                 progress=progress, warmup_s=warm)
                 s["cost_per_hour"] = sc.cost_per_hour(sc.deployments[name])
-                s["chips"] = ""
+                s["chips"] = _chips(sc, sc.deployments[name])
                 rows[name] = s
             res = {"rows": rows, "label": f"{sc.name} at {args.rate:g} req/s, {n} requests", "sim_seconds":
                    sum(s["sim_seconds"] for s in rows.values()), "requests": n, "span_s": n / args.rate}
             print(format_trace(res))
             out = {"scenario": sc.name, "rate_rps": args.rate, **_ratios(sc, rows),
                    "sim_seconds": round(res["sim_seconds"], 2), "deployments": {k: _brief(s) for k, s in rows.items()}}
+        elif args.tail_curve:
+            from evaluations.sim.report import plot_tail_curve, prefill_tail_curve
+
+            hits = [i / 200 for i in range(200)]
+            res = prefill_tail_curve(sc, hits, tuple(tails) or ("alone", "packed", "padded"))
+            png = plot_tail_curve(res, args.plot or _SIM_DIR / "bathtub_prefill.png",
+                                  f"{sc.name}: one prefill instance, {sc.workload.input_tokens}-token prompts, "
+                                  f"chunk {sc.scheduler.prefill_chunk_tokens}")
+            print(_format_tail(res))
+            out = {"scenario": sc.name, "plot": str(png), "drops": _drops(res)}
         elif args.bathtub:
             curves = {}
             for mode in tails or [sc.scheduler.tail_chunk]:
                 curves[f"tail {mode}"] = run_bathtub(with_tail_mode(sc, mode), progress, deployments=deps)
-            png = plot_bathtub(curves, args.plot, f"{sc.name}: benefit vs hit rate "
+            png = plot_bathtub(curves, args.plot or _SIM_DIR / "bathtub.png", f"{sc.name}: benefit vs hit rate "
                                f"(chunk {sc.scheduler.prefill_chunk_tokens} tokens)")
             print(_format_bathtub(curves))
             res = {"curves": curves}
@@ -212,6 +227,28 @@ def _ratios(sc: Any, rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
     if sub is not None and lat is not None and lat["ttft_p90"] > 0:
         out["ttft_reduction"] = round(1 - sub["ttft_p90"] / lat["ttft_p90"], 4)
     return out
+
+
+def _drops(res: dict[str, Any], min_jump: float = 0.08) -> dict[str, list[dict[str, float]]]:
+    """Discontinuities: hit rates where throughput jumps by more than min_jump between neighbouring
+    points. A jump up at h means a drop just below h: the hits where a nearly empty tail chunk
+    (still a whole forward) appears."""
+    out = {}
+    for mode, rows in res["modes"].items():
+        out[mode] = [{"hit": round(b["hit"], 3), "change": round(b["uncached_tok_s"] / a["uncached_tok_s"] - 1, 4)}
+                     for a, b in zip(rows, rows[1:]) if abs(b["uncached_tok_s"] / a["uncached_tok_s"] - 1) > min_jump]
+    return out
+
+
+def _format_tail(res: dict[str, Any]) -> str:
+    modes = list(res["modes"])
+    lines = [f"{'hit':>6}" + "".join(f"{m + ' ktok/s':>18}" for m in modes)]
+    for i in range(0, len(res["hits"]), 10):
+        lines.append(f"{res['hits'][i]:>6.2f}" + "".join(f"{res['modes'][m][i]['uncached_tok_s'] / 1e3:>18.2f}" for m in modes))
+    for m, d in _drops(res).items():
+        lines.append(f"jumps (> 8% between hit steps of 0.005) with tail {m}: "
+                     + (", ".join(f"{x['hit']:.3f} ({x['change']:+.0%})" for x in d) or "none"))
+    return "\n".join(lines)
 
 
 def _format_bathtub(curves: dict[str, dict[str, Any]]) -> str:

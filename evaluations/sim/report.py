@@ -111,16 +111,26 @@ def run_report(sc: Scenario, progress: bool = True) -> dict[str, Any]:
     return {"rows": rows, "headline": head, "reference": sc.reference}
 
 
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.1f}ms" if math.isfinite(x) else "-"
+
+
+def _ttft_cell(s: dict[str, Any]) -> str:
+    if not math.isfinite(s["ttft_p50"]):
+        return "overloaded"
+    return f"{s['ttft_p50']:.2f}/{s['ttft_p90']:.2f}/" + (f"{s['ttft_p99']:.2f}" if math.isfinite(s["ttft_p99"]) else "fail")
+
+
 def format_report(res: dict[str, Any]) -> str:
     rows, head, ref = res["rows"], res["headline"], res["reference"]
     out = [f"{'deployment':<15}{'chips':<44}{'cost/h':>8}{'goodput':>9}{'BCR':>8}   "
            f"{'TTFT p50/p90/p99 (s)':<22}{'TPOT p90':>9}{'RLD tok':>8}  pipelines @ {head['compare_rate_rps']:.1f} req/s"]
     for name, r in rows.items():
         s = r["at_load"]
-        ttft = f"{s['ttft_p50']:.2f}/{s['ttft_p90']:.2f}/{s['ttft_p99']:.2f}"
+        ttft = _ttft_cell(s)
         pipes = " ".join(f"{k}:{v}" for k, v in sorted(s["pipelines"].items()))
         out.append(f"{name:<15}{r['chips']:<44}{r['cost_per_hour']:>8.2f}{r['goodput_rps']:>9.2f}{r['bcr']:>8.3f}   "
-                   f"{ttft:<22}{s['tpot_p90'] * 1e3:>7.1f}ms{s['rld_token_share']:>8.1%}  {pipes}")
+                   f"{ttft:<22}{_ms(s['tpot_p90']):>9}{s['rld_token_share']:>8.1%}  {pipes}")
     out.append("")
     out.append(f"{'headline':<34}{'simulated':>10}{'PDD.md':>10}")
     for k, label in (("bcr_gain", "BCR gain vs same-DC"), ("ttft_reduction", "TTFT P90 reduction vs cross-DC PD"),
@@ -231,9 +241,62 @@ def format_trace(res: dict[str, Any]) -> str:
            f"{'deployment':<15}{'chips':<44}{'TTFT p50/p90/p99 (s)':<24}{'TPOT p90':>9}{'SLA att.':>9}"
            f"{'RLD tok':>8}{'hit P/MD':>12}{'KV GB':>9}{'sim s':>7}  pipelines"]
     for name, s in res["rows"].items():
-        ttft = f"{s['ttft_p50']:.2f}/{s['ttft_p90']:.2f}/{s['ttft_p99']:.2f}"
+        ttft = _ttft_cell(s)
         pipes = " ".join(f"{k}:{v}" for k, v in sorted(s["pipelines"].items()))
         out.append(f"{name:<15}{s['chips']:<44}{ttft:<24}{s['tpot_p90'] * 1e3:>7.1f}ms{s['attainment']:>9.1%}"
                    f"{s['rld_token_share']:>8.1%}{s['hit_p']:>6.2f}/{s['hit_md']:.2f}{s['wan_gb']:>9.0f}"
                    f"{s['sim_seconds']:>7.1f}  {pipes}")
     return "\n".join(out)
+
+
+# ---------------------------------------------------------------- tail chunks, isolated
+
+
+def prefill_tail_curve(sc: Scenario, hits: list[float], modes: tuple[str, ...] = ("alone", "packed", "padded"),
+                       n: int = 16, deployment: str | None = None) -> dict[str, Any]:
+    """One saturated Prefill instance (the real PrefillInstance scheduler): n identical requests at
+    a constant hit arrive together; throughput = n / makespan. Isolates PDD.md's tail chunks."""
+    from evaluations.sim.simulator import _PJob
+    from evaluations.sim.workload import SimRequest
+
+    dep = sc.deployments[deployment or sc.compare.get("subject", "pdd")]
+    L = sc.workload.input_tokens
+    out: dict[str, Any] = {"hits": hits, "modes": {}}
+    for mode in modes:
+        sc2 = with_tail_mode(sc, mode)
+        rows = []
+        for h in hits:
+            sim = Simulation(sc2, dep, Workload([], [], sc.workload.block_size))
+            p = sim.ps[0]
+            done: list[float] = []
+            sim._prefill_done = lambda job, inst, done=done, sim=sim: done.append(sim.now)  # type: ignore[method-assign]
+            hit = min(int(h * L), L - 1)
+            for i in range(n):
+                p.submit(_PJob(SimRequest(i, 0.0, L, 2, ()), L - hit, hit))
+            sim.run()
+            span = max(done)
+            rows.append({"hit": h, "req_s": n / span, "uncached_tok_s": n * (L - hit) / span,
+                         "forwards": p.forwards})
+        out["modes"][mode] = rows
+    return out
+
+
+def plot_tail_curve(res: dict[str, Any], path: str | Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for mode, rows in res["modes"].items():
+        ax.plot([r["hit"] for r in rows], [r["uncached_tok_s"] / 1e3 for r in rows], label=f"tail chunk: {mode}", lw=1.2)
+    ax.set_xlabel("prefix-cache hit rate (every request)")
+    ax.set_ylabel("prefill throughput, uncached ktok/s per instance")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -131,10 +131,10 @@ def predicted(sc: Scenario, graph: str, wl: Workload, ttft_s: float, tpot_s: flo
     sla = sc.sla
     sim = Simulation(sc, sc.deployments[graph], wl)
     reqs = sim.run()
-    tt = [ttft(r, sla) for r in reqs]
-    good = sum(1 for r in reqs if r.finished == 1 and not r.fallback.startswith("failed")
-               and ttft(r, sla) <= ttft_s and (r.output <= 1 or tpot(r, sla) <= tpot_s))
-    span = max(r.t_done for r in reqs) - min(r.arrival for r in reqs)
+    ok = [r for r in reqs if not r.fallback.startswith("failed")]  # a failed request is an error row
+    tt = [ttft(r, sla) for r in ok] or [math.inf]
+    good = sum(1 for r in ok if ttft(r, sla) <= ttft_s and (r.output <= 1 or tpot(r, sla) <= tpot_s))
+    span = (max(r.t_done for r in ok) - min(r.arrival for r in reqs)) if ok else math.nan
     pipes: dict[str, int] = {}
     for r in reqs:
         pipes[r.pipeline] = pipes.get(r.pipeline, 0) + 1
@@ -349,7 +349,8 @@ def make_synthetic(path: str | Path, scenario: str = "cpu_validate", graphs: tup
             k = float(np.exp(noise * rng.standard_normal()))
             t1, tp = ttft(r, sc.sla) * k, tpot(r, sc.sla) * k
             rows.append({"graph": g, "session_id": f"s{r.rid}", "turn": 0, "kind": r.kind, "prompt_tokens": r.prompt,
-                         "max_tokens": r.output, "t_send_s": r.arrival, "status": 200, "error": "", "ttft_s": t1,
+                         "max_tokens": r.output, "t_send_s": r.arrival, "status": 200,
+                         "error": r.fallback if r.fallback.startswith("failed") else "", "ttft_s": t1,
                          "tpot_s": tp if r.output > 1 else None, "e2e_s": t1 + tp * (r.output - 1),
                          "output_tokens": r.output, "pdd_pipeline": r.pipeline,
                          "pdd_prefix_hit_p": r.hit_p / r.prompt, "pdd_prefix_hit_md": r.hit_md / r.prompt})
