@@ -4,9 +4,9 @@ one invocation and one cluster; a side-by-side table, MLflow runs, and one final
 The JSON line's ratio keys (PDD over a baseline) and the targets issue 5 set for them:
   p90_ttft_vs_cross_dc <= 0.5, p50_ttft_vs_same_dc <= 1.3, goodput_vs_cross_dc >= 1.2,
   rld_token_share <= 0.15, outputs_identical true.
-TTFT is the client's first token. The router streams Prefill's first token at once in every graph,
-so the wait for KV at a remote decoder is not in it but in the second token: the `*_tt2t_*` keys
-report that (see loadgen.py).
+TTFT is the client's first token; the `*_tt2t_*` keys give the same ratios on the second token (see
+loadgen.py). `code_fingerprint` hashes the serving code at each deployment: more than one value
+means the working tree changed under the comparison and its graphs ran different code.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from evaluations.harness import (
     EvalEnv,
     EvalError,
     PreparedGraph,
+    code_fingerprint,
     eval_cluster,
     link_params,
     log_err,
@@ -133,10 +134,16 @@ def headline(summaries: Mapping[str, Mapping[str, Any]], identical: bool, mismat
         for k in ("ttft_p50_s", "ttft_p90_s", "tt2t_p50_s", "tt2t_p90_s", "tpot_p50_s", "goodput_rps",
                   "bcr_req_per_usd", "wan_bytes", "requests", "errors"):
             out[f"{g}.{k}"] = summ.get(k)
+    if out["goodput_vs_cross_dc"] is None and (p.get("goodput_rps") or 0) > 0 and c.get("goodput_rps") == 0:
+        # no cross-DC request met the SLA: the ratio is unbounded (JSON has no infinity)
+        out["goodput_vs_cross_dc_note"] = "pd_cross_dc goodput is 0: no request met the SLA"
     met = {}
     for k, (op, target) in TARGETS.items():
         v = out.get(k)
-        met[k] = None if v is None else bool(v == target if op == "==" else (v <= target if op == "<=" else v >= target))
+        if v is None and f"{k}_note" in out:
+            met[k] = op == ">="  # an unbounded ratio meets a lower bound
+        else:
+            met[k] = None if v is None else bool(v == target if op == "==" else (v <= target if op == "<=" else v >= target))
     out["targets_met"] = met
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}
 
@@ -180,10 +187,12 @@ def run_compare(workload: Workload, cfg: CompareConfig = CompareConfig(),
     results = {g.name: GraphResult(g) for g in graphs}
     log(f"workload {workload.name}: {workload.num_requests} requests in {len(workload.sessions)} sessions "
         f"(+{len(workload.warmup)} warm-up), graphs {', '.join(results)}, {cfg.repeats} repeat(s)")
+    fingerprints: set[str] = set()
     with eval_cluster(cfg.env, log) as denv:
         for rep in range(cfg.repeats):
             order = graphs if rep % 2 == 0 else graphs[::-1]
             for g in order:
+                fingerprints.add(code_fingerprint())
                 t = time.monotonic()
                 (records,) = run_graph(g, denv, [workload], cfg.load, cfg.env, log, cfg.progress)
                 results[g.name].runs.append(records)
@@ -194,6 +203,10 @@ def run_compare(workload: Workload, cfg: CompareConfig = CompareConfig(),
     for e in examples:
         log(f"output mismatch: {e}")
     head = headline(summaries, identical, mismatched)
+    head["code_fingerprint"] = ",".join(sorted(fingerprints))
+    if len(fingerprints) > 1:
+        log("WARNING: the serving code (pdd_serve/, graphs/) changed between deployments of this comparison: "
+            "the graphs ran different code; rerun when the tree is quiet")
 
     # local artifacts (also logged to MLflow)
     by_graph = {n: r.records for n, r in results.items()}
@@ -219,8 +232,8 @@ def _log_compare(tracker: Any, workload: Workload, cfg: CompareConfig, results: 
     from evaluations.report import record_rows, ttft_cdf_plot, write_parquet
     from evaluations.tracking import flat_metrics
 
-    common = common_params(workload, cfg.sla, cfg.load, site_chips, cfg.catalog, cfg.repeats)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+    common = {**common_params(workload, cfg.sla, cfg.load, site_chips, cfg.catalog, cfg.repeats),
+              "code_fingerprint": head.get("code_fingerprint", "")}
     parent = tracker.start(f"compare {workload.name}", tags={"kind": "compare"})
     ids = {"parent": parent}
     try:
@@ -257,7 +270,8 @@ def _first_link(results: Mapping[str, GraphResult]) -> Any:
 def print_targets(head: Mapping[str, Any], out: Callable[[str], None] = log_err) -> None:
     for k, (op, target) in TARGETS.items():
         met = head["targets_met"].get(k)
-        out(f"  {k:<22} {head.get(k)!s:>8}  target {op} {target}: {'met' if met else ('-' if met is None else 'MISSED')}")
+        shown = "unbounded" if head.get(f"{k}_note") else head.get(k)
+        out(f"  {k:<22} {shown!s:>9}  target {op} {target}: {'met' if met else ('-' if met is None else 'MISSED')}")
 
 
 __all__: Sequence[str] = ("CompareConfig", "run_compare", "headline", "outputs_identity", "TARGETS", "EvalError")

@@ -8,10 +8,11 @@ across graphs by token ids) and `ignore_eos` by default (so output lengths are w
 planned).
 
 Latencies, per request, measured at the client:
-- `ttft_s`: time to the first token (what an OpenAI client sees first).
-- `tt2t_s`: time to the second token. The router streams Prefill's first token at once in every
-  graph, so a KV transfer the decoder waits for shows up here, not in `ttft_s`; it is the closest
-  client-side reading of "TTFT" in systems whose decoder emits the first token (the PDD report's).
+- `ttft_s`: time to the first token (what an OpenAI client sees first). On P->MD the router sends
+  Prefill's first token with MD's first chunk, once MD holds the KV (policy.stream_first_token off,
+  the default), so the WAN wait is in it; on the relay pipelines the first token leaves at once.
+- `tt2t_s`: time to the second token: when the stream is really flowing (with
+  stream_first_token on, the KV wait shows up here instead of in `ttft_s`).
 - `tpot_s`: (last token - first token) / (tokens - 1), stalls included (vLLM's definition); `itl_max_s`.
 """
 

@@ -27,6 +27,7 @@ from evaluations.cost import DEFAULT_CATALOG, hardware_cost, load_catalog
 from evaluations.harness import (
     EvalEnv,
     EvalError,
+    code_fingerprint,
     eval_cluster,
     link_params,
     log_err,
@@ -84,7 +85,8 @@ def point_row(hit: float, summaries: Mapping[str, Mapping[str, Any]], identical:
         "tt2t_p90_speedup": _ratio(c.get("tt2t_p90_s"), p.get("tt2t_p90_s")),
         "ttft_p90_speedup": _ratio(c.get("ttft_p90_s"), p.get("ttft_p90_s")),
         "e2e_p90_speedup": _ratio(c.get("e2e_p90_s"), p.get("e2e_p90_s")),
-        "goodput_ratio": _ratio(p.get("goodput_rps"), c.get("goodput_rps")),
+        "pdd_goodput_rps": p.get("goodput_rps"), "cross_goodput_rps": c.get("goodput_rps"),
+        "goodput_ratio": _ratio(p.get("goodput_rps"), c.get("goodput_rps")),  # None when x-DC's is 0
         "bcr_ratio": _ratio(p.get("bcr_req_per_usd"), c.get("bcr_req_per_usd")),
         "wan_ratio": _ratio(p.get("wan_bytes"), c.get("wan_bytes")),
         "rld_token_share": p.get("rld_token_share"),
@@ -97,7 +99,8 @@ def point_row(hit: float, summaries: Mapping[str, Mapping[str, Any]], identical:
 COLUMNS = (("hit", "hit_rate", ".2f"), ("MD hit", "pdd_prefix_hit_md", ".2f"),
            ("x-DC TT2T p90", "cross_tt2t_p90_s", ".3f"), ("PDD TT2T p90", "pdd_tt2t_p90_s", ".3f"),
            ("TT2T speedup", "tt2t_p90_speedup", ".2f"), ("TTFT speedup", "ttft_p90_speedup", ".2f"),
-           ("e2e speedup", "e2e_p90_speedup", ".2f"), ("goodput x", "goodput_ratio", ".2f"),
+           ("e2e speedup", "e2e_p90_speedup", ".2f"), ("x-DC goodput", "cross_goodput_rps", ".3f"),
+           ("PDD goodput", "pdd_goodput_rps", ".3f"), ("goodput x", "goodput_ratio", ".2f"),
            ("BCR x", "bcr_ratio", ".2f"), ("WAN x", "wan_ratio", ".3f"), ("RLD share", "rld_token_share", ".3f"),
            ("PDD pipelines", "pdd_pipelines", "s"), ("identical", "outputs_identical", "s"))
 
@@ -121,8 +124,10 @@ def run_sweep(cfg: SweepConfig = SweepConfig(), log: Callable[[str], None] = log
     workloads = [cfg.workload(h) for h in cfg.points]
     per_point: dict[float, dict[str, GraphResult]] = {h: {g.name: GraphResult(g) for g in graphs} for h in cfg.points}
     log(f"hit-rate sweep: points {list(cfg.points)}, {cfg.requests} requests of {cfg.prompt_tokens} tokens each")
+    fingerprints: set[str] = set()
     with eval_cluster(cfg.env, log) as denv:
         for g in graphs:
+            fingerprints.add(code_fingerprint())
             runs = run_graph(g, denv, workloads, cfg.load, cfg.env, log, cfg.progress)
             for h, records in zip(cfg.points, runs):
                 per_point[h][g.name].runs.append(records)
@@ -147,7 +152,10 @@ def run_sweep(cfg: SweepConfig = SweepConfig(), log: Callable[[str], None] = log
              **{k: [None if r[k] is None else round(r[k], 4) for r in rows]
                 for k in ("tt2t_p90_speedup", "ttft_p90_speedup", "e2e_p90_speedup", "goodput_ratio",
                           "rld_token_share")},
-             "outputs_identical": all(r["outputs_identical"] for r in rows)}
+             "outputs_identical": all(r["outputs_identical"] for r in rows),
+             "code_fingerprint": ",".join(sorted(fingerprints))}
+    if len(fingerprints) > 1:
+        log("WARNING: the serving code (pdd_serve/, graphs/) changed between the two deployments: rerun")
     print(json.dumps(final), flush=True)
     return {"rows": rows, "summaries": summaries_by_point, "final": final, "out_dir": out_dir}
 
@@ -157,7 +165,6 @@ def _log_sweep(tracker: Any, cfg: SweepConfig, graphs: Any, workloads: Any, per_
                write_parquet: Any) -> None:
     from evaluations.tracking import flat_metrics
 
-    stamp = time.strftime("%Y%m%d-%H%M%S")
     parent = tracker.start("sweep hit-rate", tags={"kind": "sweep"})
     cross = next(g for g in graphs if g.cross_site)
     shared = {"points": ",".join(f"{h:g}" for h in cfg.points), "graphs": ",".join(g.name for g in graphs),

@@ -351,10 +351,11 @@ class SweepWorkload:
 
 
 def sweep_workload(w: SweepWorkload) -> Workload:
-    # seeded per point, so two points never share a prefix (each starts from cold caches)
+    # tokens seeded per point, so two points never share a prefix (each starts from cold caches);
+    # arrivals seeded without it, so every point sees the same arrival times
     rng = random.Random(f"sweep:{w.seed}:{w.hit}")
     prefix_len = _aligned(round(w.hit * w.prompt_tokens), w.block_size)
-    starts = _arrivals(rng, w.requests, w.rate, w.arrival)
+    starts = _arrivals(random.Random(f"sweep-arrivals:{w.seed}"), w.requests, w.rate, w.arrival)
     sessions, warm = [], []
     for i in range(w.requests):
         prefix = fresh_tokens(rng, prefix_len)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from pathlib import Path
 
 import httpx
 import pytest
@@ -88,6 +89,10 @@ def test_headline_ratios_targets_and_output_identity():
     assert head["goodput_vs_cross_dc"] == 1.6 and head["rld_token_share"] == 0.06 and head["outputs_identical"]
     assert head["targets_met"] == dict.fromkeys(TARGETS, True)
     assert json.loads(json.dumps(head)) == head
+    zero = headline({"pd_same_dc": summ(0.2, 0.3, 1.0), "pd_cross_dc": summ(5.0, 9.0, 0.0),
+                     "pdd": summ(0.24, 1.0, 0.8, 0.06)}, True, 0)
+    assert zero["goodput_vs_cross_dc"] is None and zero["targets_met"]["goodput_vs_cross_dc"] is True
+    assert "goodput_vs_cross_dc_note" in zero
 
     a = GraphResult(None, [[_rec("x", 0.1, 0.01, ids=[1, 2]), _rec("y", 0.1, 0.01, ids=[3])]])
     b = GraphResult(None, [[_rec("x", 0.2, 0.01, ids=[1, 2]), _rec("y", 0.1, 0.01, ids=[3])]])
@@ -99,8 +104,9 @@ def test_headline_ratios_targets_and_output_identity():
 
 def test_hardware_cost_and_bcr_from_the_catalog(tmp_path):
     cat = load_catalog()
-    graphs = {g.name: g for g in prepare_graphs(["graphs/pd_same_dc.yaml", "graphs/pd_cross_dc.yaml",
-                                                 "graphs/pdd.yaml"], tmp_path, 18420)}
+    root = Path(__file__).resolve().parents[1] / "graphs"
+    graphs = {g.name: g for g in prepare_graphs([root / "pd_same_dc.yaml", root / "pd_cross_dc.yaml",
+                                                 root / "pdd.yaml"], tmp_path, 18420)}
     chips = {"a": "cpu", "b": "h20"}
     same = hardware_cost(graphs["pd_same_dc"].cfg, chips, cat)
     pdd = hardware_cost(graphs["pdd"].cfg, chips, cat)

@@ -105,6 +105,7 @@ def test_sweep_points_hit_what_they_say(hit):
     assert len(wl.warmup) == (0 if hit == 0 else 5)
     other = sweep_workload(SweepWorkload(0.5, requests=5, prompt_tokens=1000))
     assert not {t.tokens[:16] for t in wl.turns()} & {t.tokens[:16] for t in other.turns()}
+    assert [s.start_s for s in wl.sessions] == [s.start_s for s in other.sessions]  # same arrivals per point
 
 
 # ---------------------------------------------------------------- Mooncake traces
