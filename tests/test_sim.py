@@ -182,7 +182,7 @@ def test_mooncake_trace(tmp_path: Path, tiny) -> None:
     wl = mooncake_trace(spec)
     assert [r.arrival for r in wl.requests] == [0.0, 1.5]
     assert [r.blocks for r in wl.requests] == [(1,), (1, 2)]  # full blocks only, ids + 1 (0 is the root)
-    shared = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
+    shared = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
     if shared.exists():
         sc = load_scenario("mooncake")
         wl = mooncake_trace(sc.workload, limit=300)
