@@ -30,6 +30,9 @@ APP = "pdd_faults"
 
 @pytest.fixture(scope="module")
 def graph(ray_two_sites, tmp_path_factory):
+    from ray import serve
+
+    serve.shutdown()  # forget any Serve client this process holds (an earlier test may have shut Serve down)
     port = _free_port()
     doc = yaml.safe_load((ROOT / "graphs/pdd_dev.yaml").read_text())
     doc["http_options"]["port"] = port

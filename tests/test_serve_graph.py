@@ -36,6 +36,9 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def graph(ray_two_sites, tmp_path_factory):
     """Deploy graphs/pdd_dev.yaml at / and graphs/pdd.yaml at /prod with `serve run --non-blocking`."""
+    from ray import serve
+
+    serve.shutdown()  # forget any Serve client this process holds (an earlier test may have shut Serve down)
     port = _free_port()
     dev = yaml.safe_load((ROOT / "graphs/pdd_dev.yaml").read_text())
     prod = yaml.safe_load((ROOT / "graphs/pdd.yaml").read_text())
