@@ -142,7 +142,14 @@ def test_policy_routes_cold_to_relay_and_next_turn_to_md_with_affinity(graph, re
     a = _complete(graph, turn1, 40)
     assert a["pdd"]["pipeline"] == "P-RLD-MD", a["pdd"]
     turn2 = turn1 + a["choices"][0]["token_ids"] + _cold_prompt(51, 30)
-    time.sleep(1.0)  # the previous turn's KV settles in MD's DRC
+    # if RLD finished turn 1 before its KV crossed, MD absorbs it once the KV lands: wait for that
+    from pdd_serve.engine.kv import block_hashes
+
+    hashes = block_hashes(turn1, 16)
+    md = _handle(f"MainDecode{a['pdd']['md_replica']}")
+    deadline = time.monotonic() + 30
+    while md.status.remote(hashes).result(timeout_s=30).hit_blocks < len(hashes) and time.monotonic() < deadline:
+        time.sleep(0.25)
     b = _complete(graph, turn2, 40)
     assert b["pdd"]["pipeline"] == "P-MD", b["pdd"]
     assert b["pdd"]["md_replica"] == a["pdd"]["md_replica"]
