@@ -14,9 +14,27 @@ from pdd_serve.config import PolicyConfig
 class LinkEstimate:
     bandwidth_bps: float  # live estimate, bytes/s
     latency_s: float  # one-way
+    backlog: tuple[int, ...] = ()  # bytes still to cross of the transfers already on the line
 
     def transfer_s(self, nbytes: int) -> float:
-        return 0.0 if nbytes <= 0 else self.latency_s + nbytes / self.bandwidth_bps
+        """Arrival time of `nbytes` sent now. Flows share the line fairly (as TCP flows do), so a
+        transfer already on it delays this one by at most as many bytes as this one sends."""
+        if nbytes <= 0:
+            return 0.0
+        shared = sum(min(b, nbytes) for b in self.backlog)
+        return self.latency_s + (nbytes + shared) / self.bandwidth_bps
+
+
+def wan_backlog(flows: list[tuple[int, float]], now: float, bandwidth_bps: float,
+                keep_zero: bool = False) -> tuple[int, ...]:
+    """Bytes left of each (nbytes, started_at) transfer on the line, assuming it got a fair share
+    since it started: the router's view of the line, with no message from the sender needed.
+    Finished flows are dropped, or reported as 0 with `keep_zero` (one entry per flow)."""
+    if bandwidth_bps == float("inf"):
+        return (0,) * len(flows) if keep_zero else ()
+    share = bandwidth_bps / max(1, len(flows))
+    left = [max(0, int(n - share * max(0.0, now - t0))) for n, t0 in flows]
+    return tuple(left) if keep_zero else tuple(b for b in left if b > 0)
 
 
 @dataclass(frozen=True)

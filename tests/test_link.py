@@ -49,8 +49,21 @@ def test_lognormal_is_pure_and_seeded() -> None:
     assert fwd != [other.transfer_time(n, t) for n, t in pts]
     one_epoch = [a.transfer_time(MB, float(k)) for k in range(400)]  # 8 ms nominal, inside one epoch
     med = sorted(one_epoch)[200] / 0.008
-    assert 0.8 < med < 1.25  # median time factor is 1
+    assert 1.0 < med < 1.3  # median time factor exp(sigma^2 / 2) = 1.13: bandwidth_bps is the mean rate
     assert max(one_epoch) / min(one_epoch) > 3  # and it does fluctuate
+
+
+def test_lognormal_bandwidth_is_the_mean_rate() -> None:
+    """A saturated sender moves bandwidth_bps on average (factors have mean 1, not median 1), and
+    capacity_bytes is arrival_end's inverse (what the simulator shares among streams)."""
+    for sigma in (0.3, 1.0):
+        m = LinkModel(bandwidth_bps=8e6, jitter="lognormal", sigma=sigma, epoch_s=1.0, seed=3)
+        assert m.capacity_bytes(0.0, 20_000.0) / 20_000.0 == pytest.approx(1e6, rel=0.03)
+        end = m.arrival_end(2.5, 7 * MB)
+        assert m.capacity_bytes(2.5, end) == pytest.approx(7 * MB, rel=1e-9)
+    assert LinkModel(bandwidth_bps=8e6).capacity_bytes(1.0, 3.0) == pytest.approx(2 * MB)
+    report = LinkModel.preset("pdd_report")  # calibrated on its median: 4 Gbps
+    assert report.transfer_time(50 * MB, 0.0) > 0 and report.bandwidth_bps == pytest.approx(4e9 * 1.6487, rel=1e-4)
 
 
 def test_trace_file_delay_and_throughput(tmp_path: Path) -> None:
@@ -107,6 +120,27 @@ def test_pacing_matches_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
     assert now[0] - t0 == pytest.approx(m.transfer_time(100_000, t0))
     assert asyncio.run(LinkModel(bandwidth_bps=8e9).pace(1000)) >= 0  # the async form runs too
     assert LinkModel.preset("same_dc").pace_sync(10**9) == 0.0
+
+
+def test_concurrent_streams_share_the_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small transfer that starts while a big one is crossing waits for a fair share of the line
+    (as TCP flows share it), not for the big one's whole batch; both pay the latency once."""
+    import contextvars
+
+    now = [0.0]
+    m = LinkModel(bandwidth_bps=8e6, one_way_latency_s=0.05, clock=lambda: now[0])  # 1 MB/s
+    big, small = contextvars.copy_context(), contextvars.copy_context()  # two streams
+    q = link_mod.PACE_QUANTUM_BYTES
+    # the big stream books its first quantum of a 1 MB batch; the small one arrives meanwhile
+    assert big.run(m._reserve, q) == pytest.approx(0.05 + q / 1e6)
+    now[0] = 0.01
+    done_small = now[0] + small.run(m._reserve, q)
+    # it lands right after the big stream's quantum in flight, not after its whole 1 MB batch
+    assert done_small == pytest.approx(0.05 + 2 * q / 1e6)
+    assert done_small < 0.05 + 1.0
+    # the big stream's next quantum queues behind it: the line alternates between the two
+    now[0] = 0.05 + q / 1e6
+    assert now[0] + big.run(m._reserve, q, True) == pytest.approx(0.05 + 3 * q / 1e6)
 
 
 def test_real_flight_stream_holds_the_paced_rate() -> None:

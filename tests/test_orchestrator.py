@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import pytest
 
@@ -17,7 +18,7 @@ from pdd_serve.engine.engine import Engine
 from pdd_serve.engine.kv import block_hashes, blocks_needed
 from pdd_serve.engine.sampling import SamplingParams
 from pdd_serve.engine.scheduler import EngineWorker
-from pdd_serve.policy import LinkEstimate, MDStatus
+from pdd_serve.policy import LinkEstimate, MDStatus, wan_backlog
 from pdd_serve.serve.messages import GenRequest, KVReady, MDPrepareReply, PrefillResult, TokenChunk
 from pdd_serve.serve.orchestrator import Orchestrator, RequestState
 from tests.test_engine import _prompt
@@ -215,6 +216,40 @@ def test_policy_picks_relay_for_low_hit_and_md_for_high_hit(model_dir):
     assert st2.info.pipeline == "P-MD", st2.info.reason  # MD's DRC holds turn 1: small delta
     assert st2.info.md_replica == st1.info.md_replica  # prefix affinity
     assert st2.info.prefix_hit_md > 0.9
+
+
+def test_link_estimate_shares_the_line_fairly():
+    idle = LinkEstimate(1000.0, 0.05)
+    assert idle.transfer_s(0) == 0.0 and idle.transfer_s(500) == pytest.approx(0.55)
+    # a 5000-byte flow on the line delays a 500-byte one by 500 bytes (fair share), not 5000 (FIFO)
+    busy = LinkEstimate(1000.0, 0.05, backlog=(5000, 100))
+    assert busy.transfer_s(500) == pytest.approx(0.05 + (500 + 500 + 100) / 1000)
+    # the router's view of what is left: each flow drains at its fair share since it started
+    assert wan_backlog([(4000, 0.0), (1000, 1.0)], now=2.0, bandwidth_bps=1000.0) == (3000, 500)
+    assert wan_backlog([(4000, 0.0), (400, 1.0)], now=2.0, bandwidth_bps=1000.0) == (3000,)
+    assert wan_backlog([(4000, 0.0), (400, 1.0)], 2.0, 1000.0, keep_zero=True) == (3000, 0)
+    assert wan_backlog([(4000, 0.0)], 2.0, float("inf")) == ()
+
+
+def test_request_behind_a_cold_transfer_goes_through_the_relay(model_dir):
+    """A high-hit request would go P->MD on an idle line; with a cold transfer still crossing, its
+    delta would wait for a share of the line, so RLD masks it: output identical either way."""
+    b = InProcessBackends(model_dir, num_md=1, wan_delay_s=0.05, relay_step_s=0.01)
+    orch = _orch(b, wan_budget_s=0.5)
+    turn1 = _prompt(200, 5)
+    out1, _ = asyncio.run(_run(orch, turn1, 8, rid="t1"))
+    turn2 = turn1 + out1 + _prompt(40, 6)
+    ref2 = Engine.from_pretrained(model_dir).generate(turn2, 8)
+    # on an idle line the delta (40 new tokens, at most 4 blocks) is within the 0.5 s budget
+    assert orch.line().transfer_s(4 * b.p.layout.block_bytes) < 0.5
+    orch.wan["cold"] = (10 * 2**20, time.monotonic())  # another request's 10 MB still crossing
+    out2, st2 = asyncio.run(_run(orch, turn2, 8, rid="t2"))
+    assert out2 == ref2
+    assert st2.info.pipeline == "P-RLD-MD", st2.info.reason
+    assert "t2" not in orch.wan  # its own transfer left the ledger when its KV landed
+    del orch.wan["cold"]
+    out3, st3 = asyncio.run(_run(orch, turn2, 8, rid="t3"))
+    assert out3 == ref2 and st3.info.pipeline == "P-MD", st3.info.reason
 
 
 def test_relay_that_finishes_first_leaves_md_clean(model_dir):

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -299,3 +300,50 @@ def test_validate_synthetic_records(tmp_path: Path) -> None:
     csv_path = make_synthetic(tmp_path / "records.csv", requests=40)
     assert main([str(csv_path)]) == 0
     assert main([str(tmp_path / "missing.parquet")]) == 2
+
+
+def test_shared_pacer_is_processor_sharing() -> None:
+    """pdd_serve's per-Prefill pacer interleaves concurrent streams batch by batch: two equal flows
+    started together both end when 2x the bytes have crossed, and a small flow joining a big one
+    is not queued behind it."""
+    from evaluations.sim.simulator import SharedPacer
+    from pdd_serve.transport.link import LinkModel
+
+    class Clock:
+        now = 0.0
+
+        def __init__(self) -> None:
+            self.ev: list[tuple[float, Any, tuple]] = []
+
+        def at(self, t: float, fn: Any, *args: Any) -> None:
+            self.ev.append((t, fn, args))
+            self.ev.sort(key=lambda e: e[0])
+
+        def run(self) -> None:
+            while self.ev:
+                t, fn, args = self.ev.pop(0)
+                self.now = t
+                fn(*args)
+
+    sim = Clock()
+    pacer = SharedPacer(sim, LinkModel(bandwidth_bps=8e6))  # type: ignore[arg-type]
+    done: dict[str, float] = {}
+    pacer.add(1, 1_000_000, lambda t: done.__setitem__("a", t))
+    pacer.add(2, 1_000_000, lambda t: done.__setitem__("b", t))
+    sim.at(0.5, pacer.add, 3, 100_000, lambda t: done.__setitem__("small", t))
+    sim.run()
+    assert done["small"] == pytest.approx(0.5 + 0.3)  # a third of 1 MB/s for 100 KB
+    assert done["a"] == pytest.approx(2.1) and done["b"] == pytest.approx(2.1)
+
+
+def test_validate_replays_repeats_and_sessions() -> None:
+    from evaluations.sim.validate import measured, records_to_workload, runs_of
+
+    rows = [{"repeat": rep, "session_id": "s0", "turn": k, "t_send_s": t, "e2e_s": 1.0, "ttft_s": 0.2, "tpot_s": 0.01,
+             "prompt_tokens": 64, "output_tokens": 8, "error": ""}
+            for rep in (0, 1) for k, t in enumerate((0.0, 1.5))]
+    assert [len(r) for r in runs_of(rows)] == [2, 2]  # one run per repeat, each from its own clock
+    wl = records_to_workload(runs_of(rows)[0], 16)
+    assert wl.requests[1].after == 0 and wl.requests[1].think_s == pytest.approx(0.5)  # sent 0.5 s after the answer
+    assert records_to_workload(runs_of(rows)[0], 16, sessions=False).requests[1].after == -1
+    assert measured(rows, 1.0, 0.1)["goodput_rps"] == pytest.approx(4 / (2.5 + 2.5))  # sum of the makespans

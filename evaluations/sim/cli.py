@@ -58,6 +58,8 @@ def _add_simulate(p: argparse.ArgumentParser) -> None:
                    help="one saturated prefill instance vs hit rate for each tail-chunk mode (fast); plot it")
     p.add_argument("--tail-chunk", default=None,
                    help="override scheduler.tail_chunk: alone|packed|padded (comma-separated with --bathtub)")
+    p.add_argument("--hits", default=None,
+                   help="--bathtub's hit rates, comma-separated (a reduced grid; default: the scenario's bathtub.hits)")
     p.add_argument("--horizon", type=float, default=None, help="seconds of arrivals per goodput probe (override)")
     p.add_argument("--plot", default=None,
                    help="PNG path (default: evaluations/sim/bathtub.png, or bathtub_prefill.png with --tail-curve)")
@@ -146,6 +148,12 @@ def _run_simulate(args: argparse.Namespace) -> int:
                                  bathtub={**sc.bathtub, "horizon_s": args.horizon})
     progress = not args.no_progress
     try:
+        hits = [float(h) for h in args.hits.split(",")] if args.hits else None
+    except ValueError:
+        raise UsageError(f"pdd simulate: error: --hits must be comma-separated numbers, got {args.hits!r}") from None
+    if hits is not None and not all(0 <= h <= 1 for h in hits):
+        raise UsageError("pdd simulate: error: --hits must lie in [0, 1]")
+    try:
         if args.trace:
             res = run_trace(sc, args.trace, args.limit, progress, deps)
             print(format_trace(res))
@@ -184,7 +192,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
         elif args.bathtub:
             curves = {}
             for mode in tails or [sc.scheduler.tail_chunk]:
-                curves[f"tail {mode}"] = run_bathtub(with_tail_mode(sc, mode), progress, deployments=deps)
+                curves[f"tail {mode}"] = run_bathtub(with_tail_mode(sc, mode), progress, hits=hits, deployments=deps)
             png = plot_bathtub(curves, args.plot or _SIM_DIR / "bathtub.png", f"{sc.name}: benefit vs hit rate "
                                f"(chunk {sc.scheduler.prefill_chunk_tokens} tokens)")
             print(_format_bathtub(curves))

@@ -21,7 +21,7 @@ from pdd_serve.config import ConfigError, LinkConfig, PolicyConfig
 SIM_DIR = Path(__file__).resolve().parent
 SCENARIO_DIR = SIM_DIR / "scenarios"
 TAIL_CHUNK_MODES = ("alone", "packed", "padded")
-TTFT_FROM = ("decoder", "prefill")
+TTFT_FROM = ("decoder", "prefill", "client")
 
 
 class SimConfigError(ValueError):
@@ -167,7 +167,8 @@ class SLASpec:
     attainment: float = 0.9  # goodput = the highest rate at which this fraction meets both bounds
     # decoder: the first token reaches the client when a decoder starts streaming (PD systems such as
     # the report's, where the decode side returns every token); prefill: P streams its own token
-    # first (what pdd_serve's Router does).
+    # first (pdd_serve's Router with policy.stream_first_token on); client: what pdd_serve's Router
+    # sends by default (P->MD holds P's token until MD's first chunk; the relay pipelines send it at once).
     ttft_from: str = "decoder"
 
     def __post_init__(self) -> None:
@@ -192,6 +193,9 @@ class SchedulerSpec:
     # and a factor on every forward's time (compute shared with other processes)
     request_overhead_s: float = 0.0
     compute_slowdown: float = 1.0
+    # per decode-side forward (MD, RLD steps and extends): the serving loop around the engine
+    # (asyncio, streaming each step's tokens through Serve), which engine timings can't see
+    decode_step_overhead_ms: float = 0.0
 
     def __post_init__(self) -> None:
         _check(isinstance(self.prefill_chunk_tokens, int) and self.prefill_chunk_tokens > 0,
@@ -203,6 +207,7 @@ class SchedulerSpec:
         _check(0 <= self.cache_slack < 0.5, "cache_slack", "must be in [0, 0.5)")
         _check(self.request_overhead_s >= 0, "request_overhead_s", "must be >= 0")
         _check(_pos(self.compute_slowdown), "compute_slowdown", "must be > 0")
+        _check(self.decode_step_overhead_ms >= 0, "decode_step_overhead_ms", "must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -213,7 +218,10 @@ class LinkSpec:
     scale_to_model: bool = True
     overrides: tuple[tuple[str, Any], ...] = ()
     line_gbps: float | None = None  # aggregate capacity of the line (None: only the per-transfer model)
-    per_prefill_bucket: bool = False  # transfers of one P replica queue on its pacer (pdd_serve's Prefill)
+    per_prefill_bucket: bool = False  # transfers of one P replica share its pacer (pdd_serve's Prefill)
+    # Router <-> MD messages (tokens, handoffs) pay the one-way latency too; false for pdd_serve's
+    # emulated WAN on one machine, which delays only the paced KV stream
+    control_latency: bool = True
     price_per_hour: float = 0.0
 
     def __post_init__(self) -> None:

@@ -15,15 +15,22 @@ from evaluations.sim.config import SLASpec
 from evaluations.sim.workload import SimRequest
 
 
+def first_token(r: SimRequest, sla: SLASpec) -> float:
+    """When the client gets its first token, under the SLA's convention (-1: never)."""
+    if sla.ttft_from == "decoder" or (sla.ttft_from == "client" and r.pipeline == "P-MD" and r.output > 1):
+        return r.t_first_decoder
+    return r.t_first_prefill
+
+
 def ttft(r: SimRequest, sla: SLASpec) -> float:
-    t = r.t_first_decoder if sla.ttft_from == "decoder" else r.t_first_prefill
+    t = first_token(r, sla)
     return (t - r.arrival) if t >= 0 else float("inf")
 
 
 def tpot(r: SimRequest, sla: SLASpec) -> float:
     if r.output <= 1:
         return 0.0
-    t = r.t_first_decoder if sla.ttft_from == "decoder" else r.t_first_prefill
+    t = first_token(r, sla)
     return (r.t_done - t) / (r.output - 1) if t >= 0 and r.t_done >= 0 else float("inf")
 
 

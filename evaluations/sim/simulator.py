@@ -71,7 +71,7 @@ class PrefillInstance:
         self.backlog = 0  # queued uncached tokens: the router's load signal
         self.forwards = 0
         self.busy_s = 0.0
-        self.bucket_free = 0.0  # pdd_serve's per-Prefill link pacer: its transfers queue here
+        self.pacer: SharedPacer | None = None  # pdd_serve's per-Prefill link pacer, when modelled
 
     def submit(self, job: _PJob) -> None:
         self.q.append(job)
@@ -128,6 +128,7 @@ class PrefillInstance:
             self.backlog -= n
             if job.t_first_chunk < 0:
                 job.t_first_chunk = now
+                self.sim._stream_start(job, self)
             if ctx + n == job.ctx0 + job.total:
                 self.sim._prefill_done(job, self)
         self._start()
@@ -298,6 +299,61 @@ class DecodeInstance:
         self.reserved -= m.ctx + m.finish_step - m.join_step
 
 
+# ---------------------------------------------------------------- a Prefill replica's pacer
+
+
+class SharedPacer:
+    """pdd_serve's per-Prefill LinkModel, shared by the replica's concurrent Flight streams. Each
+    stream books one quantum (`PACE_QUANTUM_BYTES`) at a time, chained on the last booked arrival,
+    so concurrent streams take turns quantum by quantum: processor sharing of the link's (jittered)
+    rate, not FIFO. Fluid model: every active flow gets 1/n of the capacity."""
+
+    def __init__(self, sim: Simulation, link: Any) -> None:
+        self.sim, self.link = sim, link
+        self.done_cb: dict[int, Callable[[float], None]] = {}
+        self.heap: list[tuple[float, int]] = []  # (attained service at which the flow is done, rid)
+        self.served = 0.0  # bytes every flow active since the start has received
+        self.t = 0.0
+        self.ver = 0
+
+    def backlog(self) -> list[int]:
+        """Bytes left of each flow on the line (what the real Router's ledger estimates)."""
+        self._advance(self.sim.now)
+        return [max(0, int(done - self.served)) for done, _ in self.heap]
+
+    def _advance(self, now: float) -> None:
+        if self.done_cb and now > self.t:
+            self.served += self.link.capacity_bytes(self.t, now) / len(self.done_cb)
+        self.t = max(self.t, now)
+
+    def add(self, rid: int, nbytes: int, on_done: Callable[[float], None]) -> None:
+        now = self.sim.now
+        if nbytes <= 0:
+            on_done(now)
+            return
+        self._advance(now)
+        self.done_cb[rid] = on_done
+        heapq.heappush(self.heap, (self.served + nbytes, rid))
+        self._schedule()
+
+    def _schedule(self) -> None:
+        self.ver += 1
+        if self.heap:
+            left = (self.heap[0][0] - self.served) * len(self.done_cb)
+            self.sim.at(self.link.arrival_end(self.t, max(0.0, left)), self._tick, self.ver)
+
+    def _tick(self, ver: int) -> None:
+        if ver != self.ver:
+            return
+        self._advance(self.sim.now)
+        done = []
+        while self.heap and self.heap[0][0] <= self.served * (1 + 1e-12) + 1e-6:
+            done.append(self.done_cb.pop(heapq.heappop(self.heap)[1]))
+        self._schedule()
+        for cb in done:
+            cb(self.sim.now)
+
+
 # ---------------------------------------------------------------- the simulation
 
 
@@ -317,12 +373,14 @@ class Simulation:
         self.cross = ls.cross_site
         self.link = ls.build(self.model.kv_bytes_per_token) if self.cross else None
         bw = self.link.bandwidth_bps if self.link is not None else None
-        self.lat = self.link.config.one_way_latency_s if self.link is not None else 0.0
+        self.lat = self.link.config.one_way_latency_s if self.link is not None else 0.0  # KV's
+        self.ctl = self.lat if ls.control_latency else 0.0  # Router <-> MD messages'
         # the Router's estimate: the nominal line (pdd_serve's router seeds its estimator with it)
         self.est = LinkEstimate(INF if bw is None else bw / 8, self.lat)
         self.line_bps = ls.line_gbps * 1e9 if ls.line_gbps else None
         self.line_free = 0.0
-        self.per_prefill = ls.per_prefill_bucket
+        self.kv_sent: dict[int, float] = {}  # rid -> when its stream's last byte lands (before P is done)
+        self.kv_floor: dict[int, float] = {}  # rid -> the earliest its KV can land (P done, stream not)
         cache_bytes = sched.prefix_cache_gb * 1e9
 
         def cache() -> RadixCache:
@@ -330,19 +388,25 @@ class Simulation:
 
         roles = dep.roles()
         chips = {n: _slowed(c, sched.compute_slowdown) for n, c in sc.chips.items()}
+        dchips = {n: dataclasses.replace(c, forward_overhead_ms=c.forward_overhead_ms + sched.decode_step_overhead_ms)
+                  for n, c in chips.items()}  # decoders pay the serving loop's per-step overhead too
         rp, rm = roles["prefill"], roles["main_decode"]
         self.ps = [PrefillInstance(self, i, chips[rp.chip], rp.chips_per_instance, cache(), cache_bytes)
                    for i in range(rp.instances)]
+        if self.link is not None and ls.per_prefill_bucket:
+            for p in self.ps:  # one pacer (one LinkModel) per Prefill replica, as serve/prefill.py has
+                p.pacer = SharedPacer(self, ls.build(self.model.kv_bytes_per_token))
         self.drc = self.pol.drc
-        self.mds = [DecodeInstance(self, i, "main_decode", chips[rm.chip], rm.chips_per_instance, sched.decode_max_batch,
+        self.mds = [DecodeInstance(self, i, "main_decode", dchips[rm.chip], rm.chips_per_instance, sched.decode_max_batch,
                                    cache() if self.drc else None, cache_bytes) for i in range(rm.instances)]
         rr = roles.get("relay")
-        self.relays = ([DecodeInstance(self, i, "relay", chips[rr.chip], rr.chips_per_instance, sched.decode_max_batch)
+        self.relays = ([DecodeInstance(self, i, "relay", dchips[rr.chip], rr.chips_per_instance, sched.decode_max_batch)
                         for i in range(rr.instances)] if rr is not None else [])
         mean_len = sum(r.prompt + r.output for r in wl.requests) / max(1, len(wl.requests))
         self.md_capacity = max(1, min(sched.decode_max_batch, int(self.mds[0].cap_tokens // max(1.0, mean_len))))
         self.relay_running = 0  # the orchestrator's counter: relay streams open
         self.relay_member: dict[int, _Member] = {}
+        self.followers: dict[int, list[SimRequest]] = {}  # rid -> the session turns sent after it
         self.now = 0.0
         self.heap: list[tuple[float, int, Callable[..., None], tuple]] = []
         self._seq = itertools.count()
@@ -364,9 +428,11 @@ class Simulation:
     def run(self) -> list[SimRequest]:
         t0 = time.perf_counter()
         reqs = self.wl.requests
-        delay = self.sc.scheduler.request_overhead_s
         for r in reqs:
-            self.at(r.arrival + delay, self._arrive, r)
+            if r.after >= 0:  # a session's next turn leaves when the previous answer is complete
+                self.followers.setdefault(r.after, []).append(r)
+            else:
+                self._send(r, r.arrival)
         bar = None
         if self.progress:
             from tqdm import tqdm
@@ -390,6 +456,10 @@ class Simulation:
             bar.close()
         self.wall_s = time.perf_counter() - t0
         return reqs
+
+    def _send(self, r: SimRequest, t: float) -> None:
+        r.arrival = t
+        self.at(t + self.sc.scheduler.request_overhead_s, self._arrive, r)
 
     # ---- caches
 
@@ -420,9 +490,12 @@ class Simulation:
         prompt_blocks = blocks_needed(r.prompt, self.bs)
         statuses = [MDStatus(i, self._md_hit_blocks(md, r), md.assigned, self.md_capacity)
                     for i, md in enumerate(self.mds)]
-        mdi = pick_md(statuses, prompt_blocks, self.block_bytes, self.est)
+        # the line as the Router sees it: its transfers still crossing share it with this one
+        backlog = tuple(b for p in self.ps if p.pacer is not None for b in p.pacer.backlog() if b > 0)
+        est = dataclasses.replace(self.est, backlog=backlog)
+        mdi = pick_md(statuses, prompt_blocks, self.block_bytes, est)
         missing = max(0, prompt_blocks - statuses[mdi].hit_blocks) * self.block_bytes
-        dec = choose_pipeline(r.prompt, r.output, missing, self.est, self.relay_running, self.pol)
+        dec = choose_pipeline(r.prompt, r.output, missing, est, self.relay_running, self.pol)
         r.pipeline, r.reason = dec.pipeline, dec.reason
         if dec.pipeline != "P-RLD":
             md = self.mds[mdi]
@@ -460,8 +533,8 @@ class Simulation:
 
     def _kv_arrival(self, r: SimRequest, job: _PJob, p: PrefillInstance) -> float:
         """When the last KV block MD lacks lands at MD. Blocks stream as chunks finish (from the
-        first chunk on), the last chunk can't leave before the prefill ends, and the line (and
-        pdd_serve's per-Prefill pacer, when modelled) queues transfers."""
+        first chunk on), the last chunk can't leave before the prefill ends, and the line queues
+        transfers (FIFO on its aggregate capacity)."""
         now = self.now
         nbytes = r.wan_bytes
         last = min(nbytes, self.chunk * self.model.kv_bytes_per_token)
@@ -469,21 +542,39 @@ class Simulation:
             src, dst = p.chip, self.mds[r.md].chip
             return max(job.t_first_chunk + kv_copy_time(nbytes, src, dst), now + kv_copy_time(last, src, dst))
         start = job.t_first_chunk
-        if self.per_prefill:
-            start = max(start, p.bucket_free)
         end = max(start + self.link.transfer_time(nbytes, start), now + self.link.transfer_time(last, now))
         if self.line_bps is not None and nbytes > 0:
             self.line_free = max(self.line_free, start) + nbytes * 8 / self.line_bps
             end = max(end, self.line_free + self.lat)
-        if self.per_prefill:
-            p.bucket_free = end - self.lat
         return end
+
+    def _stream_start(self, job: _PJob, p: PrefillInstance) -> None:
+        """P's first chunk is done: with a per-Prefill pacer, the KV stream to MD starts sharing it."""
+        r = job.req
+        if p.pacer is None or r.pipeline == "P-RLD":
+            return
+        p.pacer.add(r.rid, r.wan_bytes, lambda t: self._stream_done(r, t))
+
+    def _stream_done(self, r: SimRequest, t: float) -> None:
+        """The stream's last byte left the pacer at t; it lands a latency later, and not before the
+        prefill's last chunk could have crossed."""
+        self.kv_sent[r.rid] = t + self.lat
+        if r.t_prefill_done >= 0:
+            self.at(max(t + self.lat, self.kv_floor.pop(r.rid)), self._kv_at_md, r)
 
     def _prefill_done(self, job: _PJob, p: PrefillInstance) -> None:
         r, now = job.req, self.now
         r.t_prefill_done = r.t_first_prefill = now
         self._cache_insert(p, r.blocks)
-        if r.pipeline != "P-RLD":
+        if r.pipeline != "P-RLD" and p.pacer is not None:
+            assert self.link is not None
+            last = min(r.wan_bytes, self.chunk * self.model.kv_bytes_per_token)
+            floor = now + self.link.transfer_time(last, now) if last > 0 else now + self.lat
+            if r.rid in self.kv_sent:
+                self.at(max(self.kv_sent.pop(r.rid), floor), self._kv_at_md, r)
+            else:
+                self.kv_floor[r.rid] = floor
+        elif r.pipeline != "P-RLD":
             self.at(self._kv_arrival(r, job, p), self._kv_at_md, r)
         if r.output <= 1:  # P's token was the whole answer
             r.t_first_decoder = now
@@ -523,13 +614,13 @@ class Simulation:
     def _md_joined(self, m: _Member, t: float) -> None:
         r = m.req
         if r.t_first_decoder < 0:
-            r.t_first_decoder = t + self.lat  # MD's tokens reach the client through the router at A
+            r.t_first_decoder = t + self.ctl  # MD's tokens reach the client through the router at A
 
     def _md_finished(self, m: _Member, t: float) -> None:
         r = m.req
         r.md_tokens += m.remaining
         self._md_release(r)
-        self._finish(r, t + self.lat)
+        self._finish(r, t + self.ctl)
 
     def _md_release(self, r: SimRequest, cache: bool = True) -> None:
         md = self.mds[r.md]
@@ -586,10 +677,10 @@ class Simulation:
         send = pending - 1  # the last committed token stays back: the final extend needs its logits
         r.handoff_batches += 1
         cost = self._extend_cost(md, send, r.prompt + md_has)
-        self.at(self.now + self.lat, md.op, cost, self._catchup_reply, r, md_has + send)
+        self.at(self.now + self.ctl, md.op, cost, self._catchup_reply, r, md_has + send)
 
     def _catchup_reply(self, r: SimRequest, md_has: int) -> None:
-        self.at(self.now + self.lat, self._catchup_round, r, md_has)
+        self.at(self.now + self.ctl, self._catchup_round, r, md_has)
 
     def _final_handoff(self, r: SimRequest, md_has: int) -> None:
         """Cut RLD at what the client has seen; MD extends over the rest and decodes on."""
@@ -605,17 +696,17 @@ class Simulation:
             md.op(self._extend_cost(md, r.output - 1 - md_has, r.prompt + md_has), self._md_release, r)
             return
         cost = self._extend_cost(md, committed - md_has, r.prompt + md_has)
-        self.at(now + self.lat, md.op, cost, self._md_takeover, r, committed, now)
+        self.at(now + self.ctl, md.op, cost, self._md_takeover, r, committed, now)
 
     def _md_takeover(self, r: SimRequest, committed: int, t_cut: float) -> None:
         now = self.now
         md = self.mds[r.md]
         r.md_tokens = 1  # the final extend samples the next token
-        r.max_gap_s = max(r.max_gap_s, now + self.lat - t_cut)
+        r.max_gap_s = max(r.max_gap_s, now + self.ctl - t_cut)
         left = r.output - committed - 1
         if left <= 0:
             self._md_release(r)
-            self._finish(r, now + self.lat)
+            self._finish(r, now + self.ctl)
             return
         md.join(self._md_member(r, left, r.prompt + committed + 1))
 
@@ -627,3 +718,5 @@ class Simulation:
             raise AssertionError(f"request {r.rid} finished twice")
         r.t_done = t
         self.completed += 1
+        for nxt in self.followers.pop(r.rid, ()):
+            self._send(nxt, t + nxt.think_s)

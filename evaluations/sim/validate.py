@@ -83,31 +83,58 @@ def _f(row: dict[str, Any], *keys: str, default: float | None = None) -> float |
     return default
 
 
-def records_to_workload(rows: list[dict[str, Any]], block_size: int) -> Workload:
-    """The measured requests at their arrival times, with their measured prefix hits."""
-    reqs = []
-    arr = [(_f(r, "t_send_s", "arrival_s", default=0.0) or 0.0) for r in rows]
+def _send_time(r: dict[str, Any]) -> float:
+    return _f(r, "t_send_s", "arrival_s", default=0.0) or 0.0
+
+
+def runs_of(rows: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """One list per repeat: `pdd compare --repeats N` runs a graph N times one after the other, each
+    with its clock from 0 (replaying them together would double the load)."""
+    by: dict[int, list[dict[str, Any]]] = {}
+    for r in rows:
+        by.setdefault(int(_f(r, "repeat", default=0) or 0), []).append(r)
+    return [by[k] for k in sorted(by)]
+
+
+def records_to_workload(rows: list[dict[str, Any]], block_size: int, sessions: bool = True) -> Workload:
+    """One run's requests with their measured prefix hits (replayed, not re-derived: the caches'
+    contents before the run are unknown). A session's first turn arrives at its recorded time; with
+    `sessions`, each later turn is sent its recorded think time after the simulated answer to the
+    previous turn ends, as loadgen does (open-loop sessions, closed-loop turns)."""
+    arr = [_send_time(r) for r in rows]
     t0 = min(arr)
     order = sorted(range(len(rows)), key=lambda i: arr[i])
+    reqs = []
+    prev: dict[str, tuple[int, dict[str, Any]]] = {}  # session -> (rid, row) of its latest turn
     for rid, i in enumerate(order):
         r = rows[i]
         prompt = max(1, int(_f(r, "prompt_tokens", default=1) or 1))
         out = int(_f(r, "output_tokens", default=0) or 0) or int(_f(r, "max_tokens", default=1) or 1)
         hp = _f(r, "pdd_prefix_hit_p", "planned_hit", default=0.0) or 0.0
         hm = _f(r, "pdd_prefix_hit_md", default=hp) or 0.0
-        reqs.append(SimRequest(rid, arr[i] - t0, prompt, max(1, out), (), "record",
-                               fixed_hit_p=int(round(hp * prompt)), fixed_hit_md=int(round(hm * prompt))))
+        req = SimRequest(rid, arr[i] - t0, prompt, max(1, out), (), "record",
+                         fixed_hit_p=int(round(hp * prompt)), fixed_hit_md=int(round(hm * prompt)))
+        sid = r.get("session_id")
+        last = prev.get(str(sid)) if sessions and sid is not None else None
+        e2e = _f(last[1], "e2e_s") if last is not None else None
+        if last is not None and e2e is not None and not last[1].get("error"):
+            req.after, req.think_s = last[0], max(0.0, arr[i] - _send_time(last[1]) - e2e)
+        if sid is not None:
+            prev[str(sid)] = (rid, r)
+        reqs.append(req)
     return Workload(reqs, [], block_size, f"{len(reqs)} recorded requests")
 
 
 def measured(rows: list[dict[str, Any]], ttft_s: float, tpot_s: float) -> dict[str, Any]:
-    """The real run's figures, computed like loadgen.summarize_run (goodput over the makespan)."""
+    """The real run's figures, computed like `pdd compare` (compare.summarize_graph): TTFT
+    percentiles over every repeat's requests, goodput = SLA-meeting requests over the sum of the
+    repeats' makespans (first send to last answer)."""
     ok = [r for r in rows if not r.get("error")]
     ttfts = [float(r["ttft_s"]) for r in ok if r.get("ttft_s") is not None]
-    sends = [_f(r, "t_send_s", "arrival_s", default=0.0) or 0.0 for r in rows]
-    dones = [(_f(r, "t_send_s", "arrival_s", default=0.0) or 0.0) + float(r["e2e_s"])
-             for r in ok if r.get("e2e_s") is not None]
-    span = (max(dones) - min(sends)) if dones else float("nan")
+    span = 0.0
+    for run in runs_of(rows):
+        dones = [_send_time(r) + float(r["e2e_s"]) for r in run if not r.get("error") and r.get("e2e_s") is not None]
+        span += (max(dones) - min(_send_time(r) for r in run)) if dones else 0.0
 
     def meets(r: dict[str, Any]) -> bool:
         if r.get("error") or r.get("ttft_s") is None or float(r["ttft_s"]) > ttft_s:
@@ -115,68 +142,105 @@ def measured(rows: list[dict[str, Any]], ttft_s: float, tpot_s: float) -> dict[s
         return r.get("tpot_s") is None or float(r["tpot_s"]) <= tpot_s
 
     good = sum(1 for r in rows if meets(r))
+    tpots = [float(r["tpot_s"]) for r in ok if r.get("tpot_s") is not None]
     pipes: dict[str, int] = {}
     for r in rows:
         p = r.get("pdd_pipeline") or "?"
         pipes[p] = pipes.get(p, 0) + 1
     return {"ttft_p50": float(np.percentile(ttfts, 50)) if ttfts else math.nan,
             "ttft_p90": float(np.percentile(ttfts, 90)) if ttfts else math.nan,
-            "goodput_rps": good / span if span > 0 else math.nan, "attainment": good / len(rows), "pipelines": pipes}
+            "goodput_rps": good / span if span > 0 else math.nan, "attainment": good / len(rows),
+            "tpot_p50": float(np.median(tpots)) if tpots else math.nan, "pipelines": pipes}
 
 
-def predicted(sc: Scenario, graph: str, wl: Workload, ttft_s: float, tpot_s: float) -> dict[str, Any]:
+def with_link_seed(sc: Scenario, graph: str, seed: int) -> Scenario:
+    """The scenario with the graph's link jitter drawn from another seed."""
+    import dataclasses
+
+    name = sc.deployments[graph].link
+    ls = sc.links[name]
+    ov = tuple((k, v) for k, v in ls.overrides if k != "seed") + (("seed", seed),)
+    return dataclasses.replace(sc, links={**sc.links, name: dataclasses.replace(ls, overrides=ov)})
+
+
+def predicted(sc: Scenario, graph: str, rows: list[dict[str, Any]], ttft_s: float, tpot_s: float,
+              draws: int = 1, sessions: bool = True) -> dict[str, Any]:
+    """Replay every repeat of one graph, `draws` times with a different link seed each when the
+    graph crosses sites: the real pacer's jitter epochs start when its Prefill replica is made,
+    a phase the records don't give, so the prediction is the mean over draws (min and max kept)."""
     from evaluations.sim.metrics import tpot, ttft
     from evaluations.sim.simulator import Simulation
 
-    sla = sc.sla
-    sim = Simulation(sc, sc.deployments[graph], wl)
-    reqs = sim.run()
-    ok = [r for r in reqs if not r.fallback.startswith("failed")]  # a failed request is an error row
-    tt = [ttft(r, sla) for r in ok] or [math.inf]
-    good = sum(1 for r in ok if ttft(r, sla) <= ttft_s and (r.output <= 1 or tpot(r, sla) <= tpot_s))
-    span = (max(r.t_done for r in ok) - min(r.arrival for r in reqs)) if ok else math.nan
+    cross = sc.links[sc.deployments[graph].link].cross_site
+    per_draw: list[dict[str, float]] = []
     pipes: dict[str, int] = {}
-    for r in reqs:
-        pipes[r.pipeline] = pipes.get(r.pipeline, 0) + 1
-    return {"ttft_p50": float(np.percentile(tt, 50)), "ttft_p90": float(np.percentile(tt, 90)),
-            "goodput_rps": good / span if span > 0 else math.nan, "attainment": good / len(reqs), "pipelines": pipes,
-            "sim_seconds": sim.wall_s}
+    wall = 0.0
+    for k in range(draws if cross else 1):
+        sck = with_link_seed(sc, graph, k) if cross else sc
+        tt: list[float] = []
+        tp: list[float] = []
+        good, span = 0, 0.0
+        for run in runs_of(rows):
+            sim = Simulation(sck, sck.deployments[graph], records_to_workload(run, sc.workload.block_size, sessions))
+            reqs = sim.run()
+            wall += sim.wall_s
+            ok = [r for r in reqs if not r.fallback.startswith("failed")]  # a failed request is an error row
+            tt += [ttft(r, sck.sla) for r in ok]
+            tp += [tpot(r, sck.sla) for r in ok if r.output > 1]
+            good += sum(1 for r in ok if ttft(r, sck.sla) <= ttft_s and (r.output <= 1 or tpot(r, sck.sla) <= tpot_s))
+            span += (max(r.t_done for r in ok) - min(r.arrival for r in reqs)) if ok else 0.0
+            if k == 0:
+                for r in reqs:
+                    pipes[r.pipeline] = pipes.get(r.pipeline, 0) + 1
+        tt = tt or [math.inf]
+        per_draw.append({"ttft_p50": float(np.percentile(tt, 50)), "ttft_p90": float(np.percentile(tt, 90)),
+                         "goodput_rps": good / span if span > 0 else math.nan, "attainment": good / len(rows),
+                         "tpot_p50": float(np.median(tp)) if tp else math.nan})
+    out: dict[str, Any] = {k: float(np.mean([d[k] for d in per_draw])) for k in per_draw[0]}
+    out["range"] = {k: (min(d[k] for d in per_draw), max(d[k] for d in per_draw)) for k in per_draw[0]}
+    out.update(pipelines=pipes, draws=len(per_draw), sim_seconds=wall)
+    return out
 
 
-def fit_platform(sc: Scenario, graph: str, rows: list[dict[str, Any]], ttft_s: float, tpot_s: float
-                 ) -> tuple[Scenario, dict[str, Any]]:
-    """Fit the control plane (scheduler.request_overhead_s: Serve RPCs, object-store puts, HTTP
-    before a request's prefill) on ONE graph's records, by a grid search on the log errors of
-    TTFT P50 and P90; the engine timings can't see it, and it is no chip property. The other
-    graphs are then predicted out of sample. (A compute-slowdown factor for the machine's other
-    tenants was tried as a second parameter and made every graph's P90 worse: queueing behind
-    long prefills then dominates, so it stays at 1.)"""
+def fit_platform(sc: Scenario, graph: str, rows: list[dict[str, Any]], ttft_s: float, tpot_s: float,
+                 sessions: bool = True) -> tuple[Scenario, dict[str, Any]]:
+    """Fit the serving platform on ONE graph's records (in sample); the other graphs are then
+    predicted out of sample. Three scheduler parameters the engine timings can't see, none of them
+    a chip property, each fitted by a grid on log errors:
+    - request_overhead_s: Serve RPCs, object-store puts, HTTP before a request's prefill, and
+      compute_slowdown: every forward slowed by the machine's other tenants (the replicas share
+      2 cores), together on TTFT P50 and P90;
+    - decode_step_overhead_ms: the serving loop around each decode forward (asyncio, streaming each
+      step's tokens through Serve), on TPOT P50 (fitted first, refitted after the other two)."""
     import dataclasses
-
-    from evaluations.sim.metrics import ttft
-    from evaluations.sim.simulator import Simulation
 
     ok_rows = [r for r in rows if not r.get("error")]
     meas = measured(ok_rows, ttft_s, tpot_s)
-    best: tuple[float, float] | None = None
-    for ov in np.linspace(0.0, 0.5, 51):
-        sc2 = dataclasses.replace(sc, scheduler=dataclasses.replace(sc.scheduler, request_overhead_s=float(ov)))
-        reqs = Simulation(sc2, sc2.deployments[graph], records_to_workload(ok_rows, sc.workload.block_size)).run()
-        tt = [ttft(r, sc2.sla) for r in reqs]
-        loss = sum(math.log(a / b) ** 2 for a, b in ((float(np.percentile(tt, 50)), meas["ttft_p50"]),
-                                                     (float(np.percentile(tt, 90)), meas["ttft_p90"])) if a > 0 and b > 0)
-        if best is None or loss < best[0]:
-            best = (loss, float(ov))
-    assert best is not None
-    sc2 = dataclasses.replace(sc, scheduler=dataclasses.replace(sc.scheduler, request_overhead_s=best[1]))
-    return sc2, {"request_overhead_s": round(best[1], 4), "fit_graph": graph}
+
+    def loss(base: Scenario, keys: tuple[str, ...], **fields: float) -> float:
+        sc2 = dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, **fields))
+        pred = predicted(sc2, graph, ok_rows, ttft_s, tpot_s, 1, sessions)
+        return sum(math.log(pred[k] / meas[k]) ** 2 for k in keys if pred[k] > 0 and meas[k] > 0)
+
+    def fit_step(base: Scenario) -> Scenario:
+        step = min(np.linspace(0.0, 30.0, 61), key=lambda v: loss(base, ("tpot_p50",), decode_step_overhead_ms=float(v)))
+        return dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, decode_step_overhead_ms=float(step)))
+
+    sc2 = fit_step(sc)
+    grid = [(float(ov), float(k)) for ov in np.linspace(0.0, 0.3, 31) for k in np.linspace(1.0, 2.0, 11)]
+    ov, slow = min(grid, key=lambda g: loss(sc2, ("ttft_p50", "ttft_p90"), request_overhead_s=g[0],
+                                            compute_slowdown=g[1]))
+    sc2 = fit_step(dataclasses.replace(sc2, scheduler=dataclasses.replace(sc2.scheduler, request_overhead_s=ov,
+                                                                          compute_slowdown=slow)))
+    return sc2, {"request_overhead_s": round(ov, 4), "compute_slowdown": round(slow, 3),
+                 "decode_step_overhead_ms": round(sc2.scheduler.decode_step_overhead_ms, 2), "fit_graph": graph}
 
 
 def validate(sc: Scenario, rows: list[dict[str, Any]], ttft_s: float, tpot_s: float,
-             graphs: list[str] | None = None) -> dict[str, Any]:
+             graphs: list[str] | None = None, draws: int = 1, sessions: bool = True) -> dict[str, Any]:
     by_graph: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
-        by_graph.setdefault(str(r.get("graph") or graphs[0] if graphs else r.get("graph") or "pdd"), []).append(r)
+        by_graph.setdefault(str(r.get("graph") or (graphs[0] if graphs else "pdd")), []).append(r)
     out: dict[str, Any] = {}
     for g, grows in by_graph.items():
         if graphs and g not in graphs:
@@ -185,27 +249,32 @@ def validate(sc: Scenario, rows: list[dict[str, Any]], ttft_s: float, tpot_s: fl
             raise SimConfigError(f"graph {g!r} of the records has no deployment in {sc.path} "
                                  f"(has {', '.join(sc.deployments)}); pass --graph")
         meas = measured(grows, ttft_s, tpot_s)
-        pred = predicted(sc, g, records_to_workload(grows, sc.workload.block_size), ttft_s, tpot_s)
+        pred = predicted(sc, g, grows, ttft_s, tpot_s, draws, sessions)
         err = {k: _rel(pred[k], meas[k]) for k in ("ttft_p50", "ttft_p90", "goodput_rps")}
-        out[g] = {"requests": len(grows), "measured": meas, "predicted": pred, "rel_error": err}
+        out[g] = {"requests": len(grows), "repeats": len(runs_of(grows)), "measured": meas, "predicted": pred,
+                  "rel_error": err}
     return out
 
 
 def _rel(pred: float, meas: float) -> float:
     if not (math.isfinite(pred) and math.isfinite(meas)):
         return math.nan
-    if meas == 0:
-        return 0.0 if pred == 0 else math.inf
+    if meas == 0:  # nothing met the SLA: a relative error is undefined (the table shows the absolute one)
+        return 0.0 if pred == 0 else math.nan
     return (pred - meas) / meas
 
 
 def format_validation(res: dict[str, Any], tol: float) -> str:
-    lines = [f"{'graph':<13}{'metric':<14}{'measured':>10}{'predicted':>11}{'rel err':>9}"]
+    lines = [f"{'graph':<13}{'metric':<14}{'measured':>10}{'predicted':>11}{'rel err':>9}  {'link draws min..max':<19}"]
     for g, r in res.items():
         for k, label in (("ttft_p50", "TTFT P50 (s)"), ("ttft_p90", "TTFT P90 (s)"), ("goodput_rps", "goodput rps")):
             e = r["rel_error"][k]
+            lo, hi = r["predicted"]["range"][k]
+            spread = f"{lo:.3f}..{hi:.3f}" if r["predicted"]["draws"] > 1 else ""
             flag = "" if not math.isfinite(e) or abs(e) <= tol else "  > tolerance"
-            lines.append(f"{g:<13}{label:<14}{r['measured'][k]:>10.3f}{r['predicted'][k]:>11.3f}{e:>+9.1%}{flag}")
+            err = f"{e:>+9.1%}" if math.isfinite(e) else f"{'n/a':>9}"  # measured 0: see the absolute values
+            lines.append(f"{g:<13}{label:<14}{r['measured'][k]:>10.3f}{r['predicted'][k]:>11.3f}{err}  "
+                         f"{spread:<19}{flag}")
         lines.append(f"{'':<13}pipelines measured {r['measured']['pipelines']} / simulated {r['predicted']['pipelines']}")
     return "\n".join(lines)
 
@@ -385,6 +454,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fit-platform", metavar="GRAPH", default=None,
                     help="fit the control-plane overhead on this graph's records (e.g. pd_same_dc), "
                          "then predict the other graphs out of sample")
+    ap.add_argument("--draws", type=int, default=8,
+                    help="link-jitter seeds per cross-site graph; the prediction is their mean (default: %(default)s)")
+    ap.add_argument("--ttft-from", choices=("client", "prefill"), default=None,
+                    help="TTFT convention of the records: client (P->MD's first token leaves with MD's first "
+                         "chunk: pdd_serve's default) or prefill (stream_first_token runs); default: the scenario's")
+    ap.add_argument("--open-loop", action="store_true",
+                    help="replay every request at its recorded send time (default: a session's later turns "
+                         "follow the simulated answers, as loadgen sends them)")
     ap.add_argument("--tolerance", type=float, default=0.2, help="relative error flagged (default: %(default)s)")
     ap.add_argument("--calibrate", action="store_true", help="time the CPU engine and fit cpu_small.yaml")
     ap.add_argument("--repeats", type=int, default=5, help="calibration repetitions (default: %(default)s)")
@@ -406,6 +483,13 @@ def main(argv: list[str] | None = None) -> int:
         if not args.records:
             ap.error("give a record file (or --calibrate / --make-synthetic)")
         sc = load_scenario(args.scenario)
+        if args.draws < 1:
+            raise SimConfigError(f"--draws must be >= 1, got {args.draws}")
+        if args.ttft_from:
+            import dataclasses
+
+            sc = dataclasses.replace(sc, sla=dataclasses.replace(sc.sla, ttft_from=args.ttft_from))
+        sessions = not args.open_loop
         rows = read_records(args.records)
         ttft_s = args.sla_ttft or sc.sla.ttft_s
         tpot_s = args.sla_tpot or sc.sla.tpot_s
@@ -414,10 +498,11 @@ def main(argv: list[str] | None = None) -> int:
             fit_rows = [r for r in rows if str(r.get("graph") or args.fit_platform) == args.fit_platform]
             if not fit_rows or args.fit_platform not in sc.deployments:
                 raise SimConfigError(f"--fit-platform {args.fit_platform}: no such graph in the records/scenario")
-            sc, platform = fit_platform(sc, args.fit_platform, fit_rows, ttft_s, tpot_s)
-            print(f"control plane fitted on {args.fit_platform} (in-sample): request overhead "
-                  f"{platform['request_overhead_s']:.3f} s; the other graphs are out of sample")
-        res = validate(sc, rows, ttft_s, tpot_s, [args.graph] if args.graph else None)
+            sc, platform = fit_platform(sc, args.fit_platform, fit_rows, ttft_s, tpot_s, sessions)
+            print(f"platform fitted on {args.fit_platform} (in sample): request overhead "
+                  f"{platform['request_overhead_s']:.3f} s, compute x{platform['compute_slowdown']:.2f}, decode step overhead "
+                  f"{platform['decode_step_overhead_ms']:.1f} ms; the other graphs are out of sample")
+        res = validate(sc, rows, ttft_s, tpot_s, [args.graph] if args.graph else None, args.draws, sessions)
     except SimConfigError as e:
         print(f"validate: error: {e}", file=sys.stderr)
         return 2

@@ -31,6 +31,9 @@ class SimRequest:
     fixed_hit_p: int | None = None  # tokens: replay a measured hit instead of asking the caches
     fixed_hit_md: int | None = None
     family: int = -1
+    # closed-loop sessions (a recorded run's later turns): sent `think_s` after request `after` ends
+    after: int = -1
+    think_s: float = 0.0
     # ---- outcome, filled by the simulator
     pipeline: str = ""
     reason: str = ""

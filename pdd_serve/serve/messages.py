@@ -55,6 +55,7 @@ class PrefillResult:
     prefill_s: float
     wan_bytes: int  # bytes queued for the WAN (the blocks MD lacks)
     kv_ref: Any = None  # ray.ObjectRef of the prompt's KVBlocks (object store), for Relay
+    link_bps: float | None = None  # Prefill's live estimate of the line (bits/s), None = unpaced
 
 
 @dataclass(frozen=True)

@@ -15,13 +15,21 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
 from pdd_serve.config import PDDConfig
 from pdd_serve.engine.kv import block_hashes, blocks_needed
 from pdd_serve.engine.sampling import RequestError
-from pdd_serve.policy import LinkEstimate, MDStatus, catchup_done, choose_pipeline, pick_md, plan_handoff
+from pdd_serve.policy import (
+    LinkEstimate,
+    MDStatus,
+    catchup_done,
+    choose_pipeline,
+    pick_md,
+    plan_handoff,
+    wan_backlog,
+)
 from pdd_serve.serve.messages import (
     GenRequest,
     KVReady,
@@ -127,7 +135,8 @@ class Orchestrator:
         self.cfg = cfg
         self.b = backends
         self.block_bytes = block_bytes
-        self.link = link  # replaced as the live bandwidth estimate moves
+        self.link = link  # bandwidth follows Prefill's live estimate (PrefillResult.link_bps)
+        self.wan: dict[str, tuple[int, float]] = {}  # request -> (KV bytes sent to MD, when): on the line
         self.relay_running = 0
         self.bg: set[asyncio.Task] = set()  # fire-and-forget cleanups, kept referenced
         self.timeout = cfg.policy.kv_wait_timeout_s
@@ -143,9 +152,10 @@ class Orchestrator:
         bs = self.cfg.model.block_size
         hashes = block_hashes(prompt, bs)
         statuses = await asyncio.gather(*(self._status(i, hashes) for i in range(self.b.num_md)))
-        md = pick_md(list(statuses), blocks_needed(len(prompt), bs), self.block_bytes, self.link)
+        link = self.line()
+        md = pick_md(list(statuses), blocks_needed(len(prompt), bs), self.block_bytes, link)
         missing = (blocks_needed(len(prompt), bs) - statuses[md].hit_blocks) * self.block_bytes
-        dec = choose_pipeline(len(prompt), gen.params.max_tokens, missing, self.link, self.relay_running, pol,
+        dec = choose_pipeline(len(prompt), gen.params.max_tokens, missing, link, self.relay_running, pol,
                               forced.get("pipeline"))
         info.pipeline, info.reason = dec.pipeline, dec.reason
         prepared = False
@@ -161,8 +171,12 @@ class Orchestrator:
                     info.md_replica = md
                     info.prefix_hit_md = prep.hit_tokens / len(prompt)
                     target = KVTarget(prep.flight_location, prep.start_block)
+                    self.wan[gen.request_id] = ((blocks_needed(len(prompt), bs) - prep.start_block) * self.block_bytes,
+                                                time.monotonic())
             pre = await self._prefill(st, PrefillRequest(gen, dec.pipeline != "P-MD", target))
             info.prefix_hit_p = pre.prefix_hit_tokens / len(prompt)
+            if pre.link_bps:  # Prefill's live view of the line
+                self.link = replace(self.link, bandwidth_bps=pre.link_bps / 8)
             info.wan_bytes = pre.wan_bytes
             st.committed.append(pre.first_token)
             # P->MD streams from MD, as a PD system does: the first token leaves with MD's first
@@ -194,9 +208,27 @@ class Orchestrator:
                     yield toks
             prepared = False  # MD released the request itself (decode/absorb ended it)
         finally:
+            if st.finish_reason is None:  # failed or the client left: its transfer is cancelled
+                self.wan.pop(gen.request_id, None)
             if prepared and st.finish_reason is None:
                 self._background(self.b.md_abort(info.md_replica if info.md_replica is not None else md,
                                                  gen.request_id))
+
+    def line(self) -> LinkEstimate:
+        """The link estimate with the transfers this router has put on the line (fair share); a
+        transfer whose KV landed leaves at once, one nobody waits on (RLD finished first, MD
+        absorbs it) when it should have crossed."""
+        rids = list(self.wan)
+        left = wan_backlog([self.wan[r] for r in rids], time.monotonic(), self.link.bandwidth_bps, keep_zero=True)
+        for r, b in zip(rids, left):
+            if b <= 0:
+                del self.wan[r]
+        return replace(self.link, backlog=tuple(b for b in left if b > 0))
+
+    def _kv_landed(self, st: RequestState) -> None:
+        if st.info.kv_ready_s is None:
+            st.info.kv_ready_s = time.monotonic() - st.t0
+        self.wan.pop(st.gen.request_id, None)
 
     # ------------------------------------------------------------ pipelines
 
@@ -211,8 +243,7 @@ class Orchestrator:
                     raise RuntimeError(f"MD {md} ended the stream of {st.gen.request_id} without a finish") from None
                 except asyncio.TimeoutError:
                     raise TimeoutError(f"MD {md} sent nothing for {self.timeout:.0f}s") from None
-                if st.info.kv_ready_s is None:
-                    st.info.kv_ready_s = time.monotonic() - st.t0
+                self._kv_landed(st)
                 st.committed.extend(chunk.token_ids)
                 st.info.md_tokens += len(chunk.token_ids)
                 yield chunk.token_ids
@@ -287,7 +318,7 @@ class Orchestrator:
         bs = self.cfg.model.block_size
         statuses = await asyncio.gather(*(self._status(i, block_hashes(prompt, bs)) for i in range(self.b.num_md)))
         others = [s for s in statuses if s.index != avoid and s.healthy]
-        md = pick_md(others or list(statuses), blocks_needed(len(prompt), bs), self.block_bytes, self.link)
+        md = pick_md(others or list(statuses), blocks_needed(len(prompt), bs), self.block_bytes, self.line())
         prep = await self._bounded(self.b.md_prepare(md, gen), "MD prepare")
         st.info.md_replica = md
         pre = await self._prefill(st, PrefillRequest(gen, False, KVTarget(prep.flight_location, prep.start_block)))
@@ -319,7 +350,7 @@ class Orchestrator:
                 self._background(self.b.md_absorb(md, rid, list(st.committed), self.timeout))
                 return
             ready: KVReady = kv.result()
-            st.info.kv_ready_s = time.monotonic() - st.t0
+            self._kv_landed(st)
             t_handoff = time.monotonic()
             if not ready.ok:  # the KV did not make it in time: RLD finishes the request alone
                 self._fallback(st, "kv_timeout", f"relay finished: {ready.error}")

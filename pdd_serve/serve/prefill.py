@@ -16,8 +16,10 @@ from pdd_serve.engine.kv import KVBlocks, blocks_needed, num_full_blocks
 from pdd_serve.engine.scheduler import EngineWorker
 from pdd_serve.serve.common import load_engine, logger, placement
 from pdd_serve.serve.messages import KVTarget, PrefillRequest, PrefillResult, ReplicaStats
+from pdd_serve.transport.link import BandwidthEstimator
 
 PREFILL_CHUNK_TOKENS = 256  # blocks of a chunk leave for MD while the next chunk computes
+BW_SAMPLE_MIN_BYTES = 1 << 20  # smaller transfers measure the line's delay more than its rate
 
 
 class LinkCut(ConnectionError):
@@ -67,6 +69,9 @@ class Prefill:
         self.where = placement()
         # one link per replica: all of this replica's transfers share its bandwidth
         self.link = cfg.link.build(self.engine.layout.bytes_per_token)
+        # the live line rate the router plans with: transfers that had the line to themselves
+        self.bw = BandwidthEstimator(initial_bps=self.link.bandwidth_bps)
+        self.sending = 0  # transfers on the line now
         self.faults: dict[str, list[tuple[str, float]]] = {}
         self.transfers = {"started": 0, "done": 0, "failed": 0, "dropped": 0, "bytes": 0}
 
@@ -101,7 +106,7 @@ class Prefill:
         finally:
             await self.worker.release(seq)
         wan = feed.nbytes if feed is not None else 0
-        return PrefillResult(first, finish, seq.prefix_hit_tokens, time.perf_counter() - t0, wan, kv_ref)
+        return PrefillResult(first, finish, seq.prefix_hit_tokens, time.perf_counter() - t0, wan, kv_ref, self.bw.bps)
 
     def _start_sender(self, request_id: str, feed: _BlockFeed) -> None:
         from pdd_serve.transport.flight import KVFlightClient, UnknownRequestError
@@ -110,18 +115,25 @@ class Prefill:
 
         def send() -> None:
             self.transfers["started"] += 1
+            self.sending += 1
+            alone, started = self.sending == 1, self.transfers["started"]
             try:
                 client = KVFlightClient(feed.target.flight_location, fl.token, layout=self.engine.layout,
                                         tls_root_cert=fl.tls_root_cert, batch_blocks=fl.batch_blocks,
                                         deadline_s=fl.deadline_s, link=self.link if self.link.config.paced else None)
                 stats = client.push(request_id, iter(feed))
+                alone = alone and self.transfers["started"] == started  # none began meanwhile
                 self.transfers["done"] += 1
                 self.transfers["bytes"] += stats.bytes_sent
+                if alone and stats.bytes_sent >= BW_SAMPLE_MIN_BYTES:
+                    self.bw.observe(stats.bytes_sent, stats.seconds)
             except UnknownRequestError:  # MD released it first (cancelled, or RLD finished it)
                 self.transfers["dropped"] += 1
             except Exception as e:  # MD's bounded wait turns this into a fallback
                 self.transfers["failed"] += 1
                 logger.warning("KV transfer of %s failed: %s", request_id, e)
+            finally:
+                self.sending -= 1
 
         threading.Thread(target=send, name=f"kv-send-{request_id}", daemon=True).start()
 

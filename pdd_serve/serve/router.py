@@ -70,7 +70,6 @@ class Router:
         from pdd_serve.engine.kv import KVLayout
         from pdd_serve.engine.model import ModelArgs
         from pdd_serve.models import resolve_model
-        from pdd_serve.transport.link import BandwidthEstimator
 
         self.cfg = cfg
         path = resolve_model(cfg.model.path)
@@ -80,16 +79,12 @@ class Router:
         dtype = cfg.model.dtype or ("float32" if cfg.model.device == "cpu" else "bfloat16")
         self.layout = KVLayout(margs.num_layers, margs.num_kv_heads, margs.head_dim, cfg.model.block_size, dtype)
         link = cfg.link.build(self.layout.bytes_per_token)
-        self.link_latency = link.config.one_way_latency_s
-        self.bw = BandwidthEstimator(initial_bps=link.bandwidth_bps)  # bits/s, None = unpaced
-        self.orch = Orchestrator(cfg, ServeBackends(prefill, relay, mds), self.layout.block_bytes, self._link_estimate())
+        bps = link.bandwidth_bps  # the configured line until Prefill reports a measured rate
+        est = LinkEstimate(float("inf") if bps is None else bps / 8, link.config.one_way_latency_s)
+        self.orch = Orchestrator(cfg, ServeBackends(prefill, relay, mds), self.layout.block_bytes, est)
         self.metrics = RouterMetrics()
         self.in_flight = 0
         self.created = int(time.time())
-
-    def _link_estimate(self) -> LinkEstimate:
-        bps = self.bw.bps
-        return LinkEstimate(float("inf") if bps is None else bps / 8, self.link_latency)
 
     # ------------------------------------------------------------ routes
 
@@ -116,8 +111,10 @@ class Router:
     def stats(self) -> dict:
         from pdd_serve.serve.common import placement
 
+        line = self.orch.line()
         return {"role": "router", "in_flight": self.in_flight, "relay_running": self.orch.relay_running,
-                "fallbacks": dict(self.orch.fallbacks), **placement()}
+                "fallbacks": dict(self.orch.fallbacks), "link_bps": line.bandwidth_bps * 8,
+                "wan_backlog_bytes": sum(line.backlog), **placement()}
 
     # ------------------------------------------------------------ request handling
 
@@ -149,7 +146,6 @@ class Router:
             raise
         rid = oai.new_request_id(kind)
         st = RequestState(GenRequest(f"{rid}-{uuid.uuid4().hex[:6]}", creq.prompt_token_ids, params))
-        self.orch.link = self._link_estimate()
         if creq.stream:
             return StreamingResponse(self._stream(creq, st, rid), media_type="text/event-stream")
         return await self._complete(creq, st, rid)

@@ -7,8 +7,11 @@ simulator calls the pure `transfer_time(nbytes, at)` for the same link.
 The model, in *arrival* time: the first byte of a burst arrives `latency(at)` after it is sent;
 bytes then arrive at `bandwidth_bps * factor(t)`. Conditions change per `epoch_s` epoch:
 - constant:  factor 1, no extra delay.
-- lognormal: factor `exp(-sigma * z_k)`, z_k ~ N(0,1) drawn in epoch order from `seed`, so the
-             time to move a byte is lognormal with median 1 (and deterministic per seed).
+- lognormal: factor `exp(-sigma * z_k - sigma^2 / 2)`, z_k ~ N(0,1) drawn in epoch order from
+             `seed` (deterministic per seed): its MEAN is 1, so `bandwidth_bps` is the long-run
+             rate of a saturated link (what a line's capacity, the Router's seed estimate and
+             `pdd plan` assume); its median is exp(-sigma^2 / 2) (0.96 at sigma 0.3, 0.61 at 1.0).
+             Without the correction a sigma-1 link would carry 1.65x its configured rate.
 - trace:     one number per epoch (cycled) from a CSV (last column) or one-number-per-line file,
              either `extra delay seconds` (trace_kind="delay") or `throughput factor`
              (trace_kind="throughput").
@@ -19,6 +22,7 @@ Bandwidths are bits per second of KV payload.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import math
 import threading
 import time
@@ -27,6 +31,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+
+# Concurrent streams interleave on the paced line at this grain, as TCP flows share a real line:
+# a small delta started behind a cold transfer waits for its fair share, not for a whole batch.
+PACE_QUANTUM_BYTES = 64 * 1024
+# Per stream (thread or asyncio task): link time its last paced byte arrives, per LinkModel.
+_FLOW_TAT: contextvars.ContextVar[dict[int, float]] = contextvars.ContextVar("pdd_link_flow_tat")
 
 REFERENCE_KV_BYTES_PER_TOKEN = 50_000  # PDD.md: a flagship 1T model has ~50 KB of KV per token
 JITTERS = ("constant", "lognormal", "trace", "stalls")
@@ -110,7 +120,8 @@ _PRESETS: dict[str, LinkConfig] = {
     "same_dc": LinkConfig(),
     "wan_10g": LinkConfig(10e9, 0.010, "lognormal", sigma=0.25),
     "wan_100g": LinkConfig(100e9, 0.010, "lognormal", sigma=0.25),
-    "pdd_report": LinkConfig(4e9, 0.050, "lognormal", sigma=1.0, epoch_s=5.0),
+    # 4 Gbps median per transfer = 4e9 * exp(1/2) mean (lognormal factors have mean 1)
+    "pdd_report": LinkConfig(4e9 * math.exp(0.5), 0.050, "lognormal", sigma=1.0, epoch_s=5.0),
 }
 
 
@@ -145,8 +156,8 @@ class LinkModel:
         """A named link: same_dc (unpaced), wan_10g, wan_100g, pdd_report.
 
         `pdd_report` stands in for PDD.md's cross-DC line whose KV transfers fluctuate 1-20 s:
-        4 Gbps effective per transfer (one request's share of a 10 Gbps-class line), 50 ms
-        one-way, lognormal sigma 1.0 per 5 s epoch. For the report's 50 KB/token flagship that
+        4 Gbps median per transfer (one request's share of a 10 Gbps-class line; 6.6 Gbps mean,
+        the configured `bandwidth_bps`), 50 ms one-way, lognormal sigma 1.0 per 5 s epoch. For the report's 50 KB/token flagship that
         gives (p50 / p90 / p99 over start times): a 6.4K-token delta (64K prompt, 90% hit)
         0.64 / 1.9 / 4.0 s; a 20K-token delta 1.8 / 4.8 / 8.0 s; a cold 64K prompt (3.3 GB)
         5.4 / 10.8 / 16.4 s: the small-median, long-tail shape of the report.
@@ -177,7 +188,8 @@ class LinkModel:
     def _lognormal(self, k: int) -> float:
         with self._factors_lock:
             while len(self._factors) <= k:
-                self._factors.extend(np.exp(-self.config.sigma * self._rng.standard_normal(64)).tolist())
+                sig = self.config.sigma  # mean-one factors: bandwidth_bps is the mean rate
+                self._factors.extend(np.exp(-sig * self._rng.standard_normal(64) - sig * sig / 2).tolist())
             return self._factors[k]
 
     def _factor_at(self, t: float) -> tuple[float, float]:
@@ -206,7 +218,7 @@ class LinkModel:
             extra = self._trace[int(t // c.epoch_s) % len(self._trace)]
         return c.one_way_latency_s + extra
 
-    def _arrival_end(self, t: float, nbytes: int) -> float:
+    def arrival_end(self, t: float, nbytes: float) -> float:
         """Link time at which the last of `nbytes` arrives, the first arriving at t."""
         bw = self.config.bandwidth_bps
         if bw is None or nbytes <= 0:
@@ -232,7 +244,24 @@ class LinkModel:
         """
         if at < 0:
             raise ValueError(f"link time must be >= 0, got {at}")
-        return self._arrival_end(at + self.latency_at(at), nbytes) - at
+        return self.arrival_end(at + self.latency_at(at), nbytes) - at
+
+    def capacity_bytes(self, t0: float, t1: float) -> float:
+        """Bytes the link carries between link times t0 and t1 when kept busy (the inverse of
+        `arrival_end`): what the simulator shares among concurrent streams."""
+        bw = self.config.bandwidth_bps
+        if bw is None:
+            return math.inf
+        c = self.config
+        if c.jitter == "constant" and not c.stalls:
+            return max(0.0, t1 - t0) * bw / 8
+        total, t = 0.0, t0
+        while t < t1:
+            f, end = self._factor_at(t)
+            e = min(end, t1)
+            total += (e - t) * bw * f / 8
+            t = e
+        return total
 
     # ------------------------------------------------------------ pacing real streams
 
@@ -245,31 +274,50 @@ class LinkModel:
             self._origin = self._clock()
             self._tat = None
 
-    def _reserve(self, nbytes: int) -> float:
-        """Book `nbytes` on the link; seconds the sender must wait so they 'arrive' on time."""
+    def _reserve(self, nbytes: int, chained: bool = False) -> float:
+        """Book `nbytes` of the calling stream on the line; seconds it must wait so they 'arrive'
+        on time. The line carries one stream's bytes after another's (bandwidth is shared)."""
         if not self.config.paced:
             return 0.0
         now = self.now()
+        flows = _FLOW_TAT.get({})
+        mine = flows.get(id(self))
         with self._lock:
-            # a backlogged sender chains on the last arrival (its sleep overshoot doesn't leak into
-            # the rate); one idle for longer than burst_gap_s pays the propagation delay again
-            if self._tat is None or now > self._tat + self.config.burst_gap_s:
-                self._tat = now + self.latency_at(now)
-            self._tat = self._arrival_end(self._tat, nbytes)
-            return self._tat - now
+            line = now if self._tat is None else self._tat
+            if mine is not None and (chained or now <= mine + self.config.burst_gap_s):
+                # a backlogged stream chains on the line (its sleep overshoot doesn't leak into the
+                # rate; the quanta of one call were all ready at its start)
+                start = max(line, mine)
+            else:  # a new stream, or one idle past burst_gap_s, pays the propagation delay first
+                start = max(line, now + self.latency_at(now))
+            self._tat = self.arrival_end(start, nbytes)
+            tat = self._tat
+        _FLOW_TAT.set({**flows, id(self): tat})  # copy: asyncio tasks may share the dict
+        return tat - now
+
+    def _quanta(self, nbytes: int) -> list[int]:
+        q = PACE_QUANTUM_BYTES
+        return [q] * (nbytes // q) + ([nbytes % q] if nbytes % q else [])
 
     def pace_sync(self, nbytes: int) -> float:
-        """Block until `nbytes` may go; returns the seconds waited."""
-        wait = self._reserve(nbytes)
-        if wait > 0:
-            time.sleep(wait)
-        return max(wait, 0.0)
+        """Block until `nbytes` may go, a quantum at a time so that concurrent streams share the
+        line; returns the seconds waited."""
+        waited = 0.0
+        for i, q in enumerate(self._quanta(nbytes)):
+            wait = self._reserve(q, chained=i > 0)
+            if wait > 0:
+                time.sleep(wait)
+                waited += wait
+        return waited
 
     async def pace(self, nbytes: int) -> float:
-        wait = self._reserve(nbytes)
-        if wait > 0:
-            await asyncio.sleep(wait)
-        return max(wait, 0.0)
+        waited = 0.0
+        for i, q in enumerate(self._quanta(nbytes)):
+            wait = self._reserve(q, chained=i > 0)
+            if wait > 0:
+                await asyncio.sleep(wait)
+                waited += wait
+        return waited
 
 
 class BandwidthEstimator:
