@@ -135,7 +135,7 @@ class FlightConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_root_cert: str | None = None
-    batch_blocks: int = 8
+    batch_blocks: int = 64  # ~2 MB batches at 32 KB blocks: smaller ones halve Flight throughput
     deadline_s: float = 60.0
     max_bytes_per_request: int = 256 << 20
     max_bytes_total: int = 1 << 30

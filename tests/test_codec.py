@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdd_serve.engine.kv import KVBlocks, KVError, KVLayout
+from pdd_serve.engine.kv import KVBlocks, KVError, KVLayout, block_checksum
 from pdd_serve.transport import codec
 from pdd_serve.transport.codec import (
     ChecksumMismatch,
@@ -71,6 +71,19 @@ def test_zero_copy_both_ways() -> None:
     sliced = decode(batch.slice(1, 2), LAYOUT)  # a sliced batch decodes to a view at its offset
     assert sliced.start_block == 1 and sliced.data.ctypes.data == buf.address + LAYOUT.block_bytes
     assert np.array_equal(sliced.data, kv.data[1:])
+
+
+def test_fast_crc_is_zlib_crc32() -> None:
+    """The receiver's ISA-L CRC must equal the sender's zlib CRC32 (kv.block_checksum), bit for bit."""
+    kv = make_blocks(LAYOUT, 4, seed=3)
+    assert [codec.crc32(memoryview(kv.data[i]).cast("B")) for i in range(4)] == [block_checksum(b) for b in kv.data]
+
+
+@pytest.mark.parametrize("rid", ["", "r", "réq-ü", "x" * 256])
+def test_request_id_column(rid: str) -> None:
+    col = encode(rid, make_blocks(LAYOUT, 3)).column("request_id")
+    col.validate(full=True)
+    assert col.type == pa.string() and col.to_pylist() == [rid] * 3
 
 
 def test_schema_carries_version_and_layout() -> None:

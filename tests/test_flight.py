@@ -18,6 +18,7 @@ import pyarrow.flight as flight
 import pytest
 
 from pdd_serve.engine.kv import KVBlocks, KVLayout
+from pdd_serve.transport import flight as kv_flight
 from pdd_serve.transport.codec import encode, kv_schema
 from pdd_serve.transport.flight import (
     AuthError,
@@ -244,6 +245,33 @@ def test_resume_after_tcp_connection_cut(server: KVFlightServer) -> None:
     assert res.resumes >= 1 and proxy.cuts == 1
     # the verified prefix is kept; at most the batch being processed at the cut can arrive twice
     assert got.blocks_received <= 64 + 4
+
+
+def test_connection_kept_across_pushes_and_redialled_after_a_break(server: KVFlightServer) -> None:
+    """Pushes to one endpoint share a connection (no handshake, full flow-control window); a broken
+    one is dropped so the resume dials afresh."""
+    kv = make_blocks(LAYOUT, 8, seed=5)
+    for rid in ("keep-1", "keep-2"):
+        server.expect(rid, 8)
+    a, b = client(server, batch_blocks=4), client(server, batch_blocks=4)
+    a.push("keep-1", [kv])
+    conn = a._connect()
+    b.push("keep-2", [kv])  # another client object, as prefill makes per request
+    assert b._connect() is conn
+    assert_same(server.wait_complete_sync("keep-2", 5).blocks, kv)
+
+    server.expect("keep-3", 8)
+    proxy = CuttingProxy(server.port, cut_after=4 * LAYOUT.block_bytes)
+    try:
+        c = KVFlightClient(f"grpc://127.0.0.1:{proxy.port}", TOKEN, layout=LAYOUT, batch_blocks=2, deadline_s=10,
+                           retry_backoff_s=0.01)
+        first = c._connect()
+        res = c.push("keep-3", [kv])
+    finally:
+        proxy.close()
+    assert res.resumes >= 1 and c._connect() is not first  # the cut connection was dropped
+    assert_same(server.wait_complete_sync("keep-3", 5).blocks, kv)
+    assert len(kv_flight._CHANNELS) <= kv_flight._MAX_CHANNELS
 
 
 def test_unknown_request_and_release(server: KVFlightServer) -> None:

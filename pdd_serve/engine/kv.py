@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import warnings
-import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from isal import isal_zlib
 
 ROOT_HASH = 0  # parent of the first block of every sequence
 
@@ -111,8 +111,9 @@ def block_hashes(token_ids: list[int], block_size: int, parent: int = ROOT_HASH)
 
 
 def block_checksum(block: np.ndarray) -> int:
-    """CRC32 over a block's bytes, read in place (no copy for a contiguous block)."""
-    return zlib.crc32(memoryview(np.ascontiguousarray(block)).cast("B"))
+    """CRC32 over a block's bytes, read in place (no copy for a contiguous block). ISA-L's crc32
+    equals zlib's value at several times the speed (the receiver verifies with the same one)."""
+    return isal_zlib.crc32(memoryview(np.ascontiguousarray(block)).cast("B"))
 
 
 # ---------------------------------------------------------------- the export format
