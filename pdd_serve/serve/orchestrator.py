@@ -232,24 +232,31 @@ class Orchestrator:
 
     # ------------------------------------------------------------ pipelines
 
+    async def _to_end(self, st: RequestState, it: Any, who: str) -> AsyncIterator[TokenChunk]:
+        """Commit and yield a decoder's chunks until its finish; a silent or truncated stream raises
+        (the caller's fault path takes over from `committed`)."""
+        while True:
+            try:
+                chunk = await asyncio.wait_for(it.__anext__(), timeout=self.timeout)
+            except StopAsyncIteration:
+                raise RuntimeError(f"{who} ended the stream of {st.gen.request_id} without a finish") from None
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"{who} sent nothing for {self.timeout:.0f}s") from None
+            st.committed.extend(chunk.token_ids)
+            yield chunk
+            if chunk.finish_reason is not None:
+                st.finish_reason = chunk.finish_reason
+                return
+
     async def _from_md(self, st: RequestState, md: int) -> AsyncIterator[list[int]]:
         """MD takes over from `committed` (it extends over what it lacks) and streams to the end."""
         it = self.b.md_decode(md, st.gen.request_id, list(st.committed), self.timeout).__aiter__()
         try:
-            while True:
-                try:
-                    chunk = await asyncio.wait_for(it.__anext__(), timeout=self.timeout)
-                except StopAsyncIteration:
-                    raise RuntimeError(f"MD {md} ended the stream of {st.gen.request_id} without a finish") from None
-                except asyncio.TimeoutError:
-                    raise TimeoutError(f"MD {md} sent nothing for {self.timeout:.0f}s") from None
-                self._kv_landed(st)
-                st.committed.extend(chunk.token_ids)
-                st.info.md_tokens += len(chunk.token_ids)
-                yield chunk.token_ids
-                if chunk.finish_reason is not None:
-                    st.finish_reason = chunk.finish_reason
-                    return
+            async with contextlib.aclosing(self._to_end(st, it, f"MD {md}")) as chunks:
+                async for chunk in chunks:
+                    self._kv_landed(st)
+                    st.info.md_tokens += len(chunk.token_ids)
+                    yield chunk.token_ids
         finally:
             if st.finish_reason is None:  # the client left or MD failed: stop MD decoding for nobody
                 await self._close(it)
@@ -286,17 +293,10 @@ class Orchestrator:
         it = self.b.relay(RelayRequest(st.gen, tuple(st.committed), kv_ref)).__aiter__()
         self.relay_running += 1
         try:
-            while True:
-                try:
-                    chunk = await asyncio.wait_for(it.__anext__(), timeout=self.timeout)
-                except StopAsyncIteration:
-                    raise RuntimeError(f"relay ended the stream of {st.gen.request_id} without a finish") from None
-                st.committed.extend(chunk.token_ids)
-                st.info.eager_tokens += len(chunk.token_ids)
-                yield chunk.token_ids
-                if chunk.finish_reason is not None:
-                    st.finish_reason = chunk.finish_reason
-                    return
+            async with contextlib.aclosing(self._to_end(st, it, "relay")) as chunks:
+                async for chunk in chunks:
+                    st.info.eager_tokens += len(chunk.token_ids)
+                    yield chunk.token_ids
         finally:
             self.relay_running -= 1
             if st.finish_reason is None:
