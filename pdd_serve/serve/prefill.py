@@ -7,6 +7,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 from ray import serve
 
@@ -94,19 +95,27 @@ class Prefill:
                 if feed is not None:
                     feed.on_chunk(self.engine, s)
 
-            first = await self.worker.call(self.engine.prefill, seq, chunk_tokens=PREFILL_CHUNK_TOKENS,
-                                           on_chunk=on_chunk)
-            finish = seq.finish_reason  # read before release, which marks unfinished sequences aborted
-            if preq.to_relay:
-                kv_ref = put_kv(await self.worker.call(self.engine.export_kv, seq))
+            first, finish, kv = await self.worker.call(self._prefill_once, seq, on_chunk, preq.to_relay)
+            if kv is not None:
+                kv_ref = put_kv(kv)
         except BaseException:
             if feed is not None:
                 feed.q.put(None)
             raise
-        finally:
-            await self.worker.release(seq)
         wan = feed.nbytes if feed is not None else 0
         return PrefillResult(first, finish, seq.prefix_hit_tokens, time.perf_counter() - t0, wan, kv_ref, self.bw.bps)
+
+    def _prefill_once(self, seq: Sequence, on_chunk: Callable[[Sequence], None],
+                      to_relay: bool) -> tuple[int, str | None, KVBlocks | None]:
+        """On the engine thread: prefill, export the prompt's KV for the relay and release, as one
+        call. As three queued calls, a request came back only after every prefill submitted before
+        its release: in a burst, the first request waited for the whole burst's prefill."""
+        try:
+            first = self.engine.prefill(seq, chunk_tokens=PREFILL_CHUNK_TOKENS, on_chunk=on_chunk)
+            finish = seq.finish_reason  # read before release, which marks unfinished sequences aborted
+            return first, finish, (self.engine.export_kv(seq) if to_relay else None)
+        finally:
+            self.engine.release(seq)
 
     def _start_sender(self, request_id: str, feed: _BlockFeed) -> None:
         from pdd_serve.transport.flight import KVFlightClient, UnknownRequestError
