@@ -131,6 +131,9 @@ def test_concurrent_streams_share_the_line(monkeypatch: pytest.MonkeyPatch) -> N
     m = LinkModel(bandwidth_bps=8e6, one_way_latency_s=0.05, clock=lambda: now[0])  # 1 MB/s
     big, small = contextvars.copy_context(), contextvars.copy_context()  # two streams
     q = link_mod.PACE_QUANTUM_BYTES
+    # a stream's record of another (or a dead) model never chains this one's
+    older = LinkModel(bandwidth_bps=8e3, one_way_latency_s=1.0, clock=lambda: now[0])
+    assert big.run(older._reserve, q) > 60
     # the big stream books its first quantum of a 1 MB batch; the small one arrives meanwhile
     assert big.run(m._reserve, q) == pytest.approx(0.05 + q / 1e6)
     now[0] = 0.01

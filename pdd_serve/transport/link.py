@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import itertools
 import math
 import threading
 import time
@@ -35,8 +36,10 @@ import numpy as np
 # Concurrent streams interleave on the paced line at this grain, as TCP flows share a real line:
 # a small delta started behind a cold transfer waits for its fair share, not for a whole batch.
 PACE_QUANTUM_BYTES = 64 * 1024
-# Per stream (thread or asyncio task): link time its last paced byte arrives, per LinkModel.
+# Per stream (thread or asyncio task): link time its last paced byte arrives, per pacing epoch of a
+# LinkModel (a unique key, never id(): a dead model's id is reused and its stale entry would chain).
 _FLOW_TAT: contextvars.ContextVar[dict[int, float]] = contextvars.ContextVar("pdd_link_flow_tat")
+_EPOCHS = itertools.count()
 
 REFERENCE_KV_BYTES_PER_TOKEN = 50_000  # PDD.md: a flagship 1T model has ~50 KB of KV per token
 JITTERS = ("constant", "lognormal", "trace", "stalls")
@@ -146,6 +149,7 @@ class LinkModel:
         self._clock = clock
         self._origin = clock()
         self._tat: float | None = None  # arrival time of the last paced byte (link clock)
+        self._epoch = next(_EPOCHS)  # key of this model's streams in _FLOW_TAT (new on reset)
         self._lock = threading.Lock()  # the pacer's state
         self._factors_lock = threading.Lock()  # the lazily drawn jitter (also read by transfer_time)
 
@@ -273,6 +277,7 @@ class LinkModel:
         with self._lock:
             self._origin = self._clock()
             self._tat = None
+            self._epoch = next(_EPOCHS)  # streams' arrival times were on the old clock
 
     def _reserve(self, nbytes: int, chained: bool = False) -> float:
         """Book `nbytes` of the calling stream on the line; seconds it must wait so they 'arrive'
@@ -281,8 +286,9 @@ class LinkModel:
             return 0.0
         now = self.now()
         flows = _FLOW_TAT.get({})
-        mine = flows.get(id(self))
         with self._lock:
+            key = self._epoch
+            mine = flows.get(key)
             line = now if self._tat is None else self._tat
             if mine is not None and (chained or now <= mine + self.config.burst_gap_s):
                 # a backlogged stream chains on the line (its sleep overshoot doesn't leak into the
@@ -292,7 +298,8 @@ class LinkModel:
                 start = max(line, now + self.latency_at(now))
             self._tat = self.arrival_end(start, nbytes)
             tat = self._tat
-        _FLOW_TAT.set({**flows, id(self): tat})  # copy: asyncio tasks may share the dict
+        # copy: asyncio tasks may share the dict; a long-lived thread forgets other models' streams
+        _FLOW_TAT.set({**flows, key: tat} if len(flows) < 64 else {key: tat})
         return tat - now
 
     def _quanta(self, nbytes: int) -> list[int]:
