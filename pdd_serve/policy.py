@@ -25,16 +25,14 @@ class LinkEstimate:
         return self.latency_s + (nbytes + shared) / self.bandwidth_bps
 
 
-def wan_backlog(flows: list[tuple[int, float]], now: float, bandwidth_bps: float,
-                keep_zero: bool = False) -> tuple[int, ...]:
-    """Bytes left of each (nbytes, started_at) transfer on the line, assuming it got a fair share
-    since it started: the router's view of the line, with no message from the sender needed.
-    Finished flows are dropped, or reported as 0 with `keep_zero` (one entry per flow)."""
+def wan_backlog(flows: list[tuple[int, float]], now: float, bandwidth_bps: float) -> tuple[int, ...]:
+    """Bytes left of each (nbytes, started_at) transfer on the line (0 once it should have crossed),
+    assuming it got a fair share since it started: the router's view of the line, with no message
+    from the sender needed."""
     if bandwidth_bps == float("inf"):
-        return (0,) * len(flows) if keep_zero else ()
+        return (0,) * len(flows)
     share = bandwidth_bps / max(1, len(flows))
-    left = [max(0, int(n - share * max(0.0, now - t0))) for n, t0 in flows]
-    return tuple(left) if keep_zero else tuple(b for b in left if b > 0)
+    return tuple(max(0, int(n - share * max(0.0, now - t0))) for n, t0 in flows)
 
 
 @dataclass(frozen=True)

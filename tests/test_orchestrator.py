@@ -226,9 +226,8 @@ def test_link_estimate_shares_the_line_fairly():
     assert busy.transfer_s(500) == pytest.approx(0.05 + (500 + 500 + 100) / 1000)
     # the router's view of what is left: each flow drains at its fair share since it started
     assert wan_backlog([(4000, 0.0), (1000, 1.0)], now=2.0, bandwidth_bps=1000.0) == (3000, 500)
-    assert wan_backlog([(4000, 0.0), (400, 1.0)], now=2.0, bandwidth_bps=1000.0) == (3000,)
-    assert wan_backlog([(4000, 0.0), (400, 1.0)], 2.0, 1000.0, keep_zero=True) == (3000, 0)
-    assert wan_backlog([(4000, 0.0)], 2.0, float("inf")) == ()
+    assert wan_backlog([(4000, 0.0), (400, 1.0)], now=2.0, bandwidth_bps=1000.0) == (3000, 0)  # crossed
+    assert wan_backlog([(4000, 0.0)], 2.0, float("inf")) == (0,)
 
 
 def test_request_behind_a_cold_transfer_goes_through_the_relay(model_dir):

@@ -150,11 +150,11 @@ class Orchestrator:
         gen, info, pol = st.gen, st.info, self.cfg.policy
         prompt = list(gen.prompt_token_ids)
         bs = self.cfg.model.block_size
-        hashes = block_hashes(prompt, bs)
+        hashes, nblocks = block_hashes(prompt, bs), blocks_needed(len(prompt), bs)
         statuses = await asyncio.gather(*(self._status(i, hashes) for i in range(self.b.num_md)))
         link = self.line()
-        md = pick_md(list(statuses), blocks_needed(len(prompt), bs), self.block_bytes, link)
-        missing = (blocks_needed(len(prompt), bs) - statuses[md].hit_blocks) * self.block_bytes
+        md = pick_md(list(statuses), nblocks, self.block_bytes, link)
+        missing = (nblocks - statuses[md].hit_blocks) * self.block_bytes
         dec = choose_pipeline(len(prompt), gen.params.max_tokens, missing, link, self.relay_running, pol,
                               forced.get("pipeline"))
         info.pipeline, info.reason = dec.pipeline, dec.reason
@@ -171,8 +171,7 @@ class Orchestrator:
                     info.md_replica = md
                     info.prefix_hit_md = prep.hit_tokens / len(prompt)
                     target = KVTarget(prep.flight_location, prep.start_block)
-                    self.wan[gen.request_id] = ((blocks_needed(len(prompt), bs) - prep.start_block) * self.block_bytes,
-                                                time.monotonic())
+                    self.wan[gen.request_id] = ((nblocks - prep.start_block) * self.block_bytes, time.monotonic())
             pre = await self._prefill(st, PrefillRequest(gen, dec.pipeline != "P-MD", target))
             info.prefix_hit_p = pre.prefix_hit_tokens / len(prompt)
             if pre.link_bps:  # Prefill's live view of the line
@@ -219,7 +218,7 @@ class Orchestrator:
         transfer whose KV landed leaves at once, one nobody waits on (RLD finished first, MD
         absorbs it) when it should have crossed."""
         rids = list(self.wan)
-        left = wan_backlog([self.wan[r] for r in rids], time.monotonic(), self.link.bandwidth_bps, keep_zero=True)
+        left = wan_backlog([self.wan[r] for r in rids], time.monotonic(), self.link.bandwidth_bps)
         for r, b in zip(rids, left):
             if b <= 0:
                 del self.wan[r]

@@ -72,7 +72,8 @@ class Prefill:
         self.link = cfg.link.build(self.engine.layout.bytes_per_token)
         # the live line rate the router plans with: transfers that had the line to themselves
         self.bw = BandwidthEstimator(initial_bps=self.link.bandwidth_bps)
-        self.sending = 0  # transfers on the line now
+        self.sending = 0  # transfers on the line now (sender threads: under _send_lock)
+        self._send_lock = threading.Lock()
         self.faults: dict[str, list[tuple[str, float]]] = {}
         self.transfers = {"started": 0, "done": 0, "failed": 0, "dropped": 0, "bytes": 0}
 
@@ -123,9 +124,10 @@ class Prefill:
         fl = self.cfg.flight
 
         def send() -> None:
-            self.transfers["started"] += 1
-            self.sending += 1
-            alone, started = self.sending == 1, self.transfers["started"]
+            with self._send_lock:
+                self.transfers["started"] += 1
+                self.sending += 1
+                alone, started = self.sending == 1, self.transfers["started"]
             try:
                 client = KVFlightClient(feed.target.flight_location, fl.token, layout=self.engine.layout,
                                         tls_root_cert=fl.tls_root_cert, batch_blocks=fl.batch_blocks,
@@ -142,7 +144,8 @@ class Prefill:
                 self.transfers["failed"] += 1
                 logger.warning("KV transfer of %s failed: %s", request_id, e)
             finally:
-                self.sending -= 1
+                with self._send_lock:
+                    self.sending -= 1
 
         threading.Thread(target=send, name=f"kv-send-{request_id}", daemon=True).start()
 

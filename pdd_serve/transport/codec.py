@@ -14,9 +14,8 @@ from collections.abc import Iterator
 
 import numpy as np
 import pyarrow as pa
-from isal.isal_zlib import crc32  # zlib's CRC-32, bit for bit (so kv.block_checksum's), ~6x faster
 
-from pdd_serve.engine.kv import KVBlocks, KVError, KVLayout, concat_blocks
+from pdd_serve.engine.kv import KVBlocks, KVError, KVLayout, bytes_checksum, concat_blocks
 
 SCHEMA_VERSION = 1
 _META_PREFIX = "pdd.kv."
@@ -213,7 +212,7 @@ def _decode(
 def _verify_checksums(view: memoryview, width: int, checksums: list[int], first_block: int) -> None:
     """CRC32 of each `width`-byte block of `view`, straight off the received buffer (no copy)."""
     for i, want in enumerate(checksums):
-        got = crc32(view[i * width : (i + 1) * width])
+        got = bytes_checksum(view[i * width : (i + 1) * width])
         if got != want:
             raise ChecksumMismatch(f"block {first_block + i}: CRC32 {got:#010x} != sent {want:#010x}")
 
