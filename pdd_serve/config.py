@@ -90,6 +90,12 @@ class PolicyConfig:
     allow_overrides: bool = False  # honour a request body's `pdd: {pipeline, handoff_mode}`
     stream_first_token: bool = False  # P->MD: send P's first token before MD has the KV (not what PD systems do)
     drc: bool = True  # decode-side radix cache at MD
+    # MDs publish their DRC and load to the routers this often (a cross-site poll in the background):
+    # the router picks MD and pipeline from that view, with no round trip before prefill
+    drc_view_period_s: float = 0.1
+    # P->MD requests also leave their KV for the relay, so a request whose real delta turns out
+    # larger than the view promised can still take P->RLD->MD at the end of prefill
+    late_relay: bool = True
 
     def __post_init__(self) -> None:
         _require(bool(self.pipelines) and all(p in PIPELINES for p in self.pipelines),
@@ -101,6 +107,7 @@ class PolicyConfig:
         _require(0 < self.relay_busy_fraction <= 1, "policy.relay_busy_fraction must be in (0, 1]")
         _require(self.relay_max_running > 0, "policy.relay_max_running must be > 0")
         _require(self.kv_wait_timeout_s > 0, "policy.kv_wait_timeout_s must be > 0")
+        _require(0 < self.drc_view_period_s <= 60, "policy.drc_view_period_s must be in (0, 60]")
         _require(self.max_migrations >= 0 and self.prefill_retries >= 0,
                  "policy.max_migrations and policy.prefill_retries must be >= 0")
 

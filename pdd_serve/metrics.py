@@ -27,6 +27,8 @@ class RouterMetrics:
         self.wan_bytes = Counter("pdd_wan_bytes_total", "KV bytes sent across sites")
         self.fallbacks = Counter("pdd_fallbacks_total", "fault fallbacks by kind", tag_keys=("kind",))
         self.rejected = Counter("pdd_rejected_total", "requests rejected before admission", tag_keys=("reason",))
+        self.index_misses = Counter("pdd_router_index_misses_total",
+                                    "requests whose MD held less of the prompt than the router's view said")
 
     def record(self, st: Any) -> None:
         info = st.info
@@ -41,4 +43,7 @@ class RouterMetrics:
         if info.wan_bytes:
             self.wan_bytes.inc(info.wan_bytes)
         for kind in info.fallbacks:
-            self.fallbacks.inc(tags={"kind": kind})
+            if kind == "index_miss":
+                self.index_misses.inc()
+            else:
+                self.fallbacks.inc(tags={"kind": kind})

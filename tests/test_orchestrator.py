@@ -15,11 +15,11 @@ import pytest
 
 from pdd_serve.config import PolicyConfig, load_config
 from pdd_serve.engine.engine import Engine
-from pdd_serve.engine.kv import block_hashes, blocks_needed
+from pdd_serve.engine.kv import block_hashes, blocks_needed, concat_blocks
 from pdd_serve.engine.sampling import SamplingParams
 from pdd_serve.engine.scheduler import EngineWorker
-from pdd_serve.policy import LinkEstimate, MDStatus, wan_backlog
-from pdd_serve.serve.messages import GenRequest, KVReady, MDPrepareReply, PrefillResult, TokenChunk
+from pdd_serve.policy import LinkEstimate, wan_backlog
+from pdd_serve.serve.messages import GenRequest, KVReady, MDPrepareReply, MDView, PrefillResult, TokenChunk
 from pdd_serve.serve.orchestrator import Orchestrator, RequestState
 from tests.test_engine import _prompt
 
@@ -35,7 +35,13 @@ class InProcessBackends:
         self.wan_delay_s = wan_delay_s
         self.relay_step_s = relay_step_s
         self.md_seqs: list[dict] = [{} for _ in range(num_md)]
-        self.inbox: dict[str, asyncio.Future] = {}
+        self.expect: dict[str, tuple[int, int]] = {}  # request -> MD's [start, end) blocks to receive
+        self.kv_runs: dict[str, list] = {}  # request -> KV runs landed at MD (any order, overlaps ok)
+        self.kv_event: dict[str, asyncio.Event] = {}
+        self.epochs = [0] * num_md  # bumped to model an MD restart
+        self.prepare_delay_s = 0.0
+        self.prepares: list[tuple[int, int | None, int]] = []  # (MD, planned start, real start)
+        self.prefill_starts: list[float] = []
         self.calls: list[str] = []
         self.import_locks: dict[str, asyncio.Lock] = {}
         # fault injection (counts of failures still to inject)
@@ -44,30 +50,56 @@ class InProcessBackends:
         self.fail_prefill = 0
         self.fail_relay = 0
 
-    async def md_status(self, i, hashes):
-        return MDStatus(i, self.mds[i].cache.peek(hashes), len(self.md_seqs[i]), 32)
+    async def md_view(self, i, known):
+        c = self.mds[i].cache
+        return MDView(i, f"e{self.epochs[i]}", c.stats.inserted_blocks + c.stats.evicted_blocks, tuple(c.nodes),
+                      len(self.md_seqs[i]), 32, f"inproc://md{i}")
 
-    async def md_prepare(self, i, req: GenRequest):
+    async def md_prepare(self, i, req: GenRequest, planned_start):
+        await asyncio.sleep(self.prepare_delay_s)
         old = self.md_seqs[i].pop(req.request_id, None)
-        if old is not None:
+        if old is not None:  # a re-delivery: start over
             await self.mws[i].release(old, cache=False)
+            self.kv_runs.pop(req.request_id, None)
         seq = self.mds[i].add(req.request_id, list(req.prompt_token_ids), req.params)
-        hit = self.mds[i].match_prefix(seq)
+        hit = self.mds[i].match_prefix(seq, planned_start)
         self.md_seqs[i][req.request_id] = seq
-        self.inbox[req.request_id] = asyncio.get_running_loop().create_future()  # (re-)registered
-        n = blocks_needed(seq.prompt_len, 16) - hit // 16
-        return MDPrepareReply(i, hit, hit // 16, n, f"inproc://md{i}")
+        n = blocks_needed(seq.prompt_len, 16)
+        self.expect[req.request_id] = (hit // 16, n)
+        self.kv_event.setdefault(req.request_id, asyncio.Event()).set()  # re-check what landed
+        self.prepares.append((i, planned_start, hit // 16))
+        return MDPrepareReply(i, hit, hit // 16, n - hit // 16, f"inproc://md{i}")
+
+    def _landed(self, rid):
+        """The runs covering MD's expected blocks, joined; None while a gap remains."""
+        start, n = self.expect[rid]
+        out, nxt = [], start
+        for r in sorted(self.kv_runs.get(rid, []), key=lambda r: r.start_block):
+            if r.start_block <= nxt < r.start_block + r.num_blocks:
+                out.append(r.slice(nxt - r.start_block, r.num_blocks))
+                nxt = r.start_block + r.num_blocks
+        return concat_blocks(out) if nxt >= n and out else None
 
     async def md_wait_kv(self, i, rid, timeout_s):
+        deadline = time.monotonic() + timeout_s
+        while rid not in self.md_seqs[i]:  # the call overtook its prepare, as on a real line
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{rid} is not registered at MD {i}")
+            await asyncio.sleep(0.005)
         seq = self.md_seqs[i][rid]
-        if seq.num_computed < seq.prompt_len:
+        while seq.num_computed < seq.prompt_len:
+            blocks = self._landed(rid)
+            if blocks is not None:
+                async with self.import_locks.setdefault(rid, asyncio.Lock()):  # like MD's single receive task
+                    if seq.num_computed < seq.prompt_len:
+                        await self.mws[i].call(self.mds[i].import_kv, seq, blocks)
+                break
+            ev = self.kv_event.setdefault(rid, asyncio.Event())
+            ev.clear()
             try:
-                blocks = await asyncio.wait_for(asyncio.shield(self.inbox[rid]), timeout_s)
+                await asyncio.wait_for(ev.wait(), max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 return KVReady(False, error="timeout")
-            async with self.import_locks.setdefault(rid, asyncio.Lock()):  # like MD's single receive task
-                if seq.num_computed < seq.prompt_len:
-                    await self.mws[i].call(self.mds[i].import_kv, seq, blocks)
         return KVReady(True, 0, 0.0)
 
     async def md_handoff_batch(self, i, rid, token_ids, timeout_s):
@@ -106,6 +138,7 @@ class InProcessBackends:
         return True
 
     async def md_abort(self, i, rid):
+        self.kv_runs.pop(rid, None)
         seq = self.md_seqs[i].pop(rid, None)
         if seq is not None:
             seq.finish_reason = "abort"
@@ -117,6 +150,7 @@ class InProcessBackends:
             self.fail_prefill -= 1
             raise RuntimeError("prefill replica died mid-prefill")
         req = preq.req
+        self.prefill_starts.append(time.monotonic())
         seq = self.p.add(req.request_id, list(req.prompt_token_ids), req.params)
         first = await self.pw.call(self.p.prefill, seq)
         kv = await self.pw.call(self.p.export_kv, seq)
@@ -124,7 +158,8 @@ class InProcessBackends:
         await self.pw.release(seq)
         wan = 0
         if preq.md_target is not None:
-            delta = kv.slice(preq.md_target.start_block, kv.num_blocks)
+            t = preq.md_target
+            delta = kv.slice(t.start_block, kv.num_blocks if t.end_block is None else t.end_block)
             wan = delta.nbytes
 
             async def arrive() -> None:
@@ -132,9 +167,8 @@ class InProcessBackends:
                 if self.lose_kv:  # the WAN cut mid-transfer: it never completes
                     self.lose_kv -= 1
                     return
-                fut = self.inbox[req.request_id]
-                if not fut.done():
-                    fut.set_result(delta)
+                self.kv_runs.setdefault(req.request_id, []).append(delta)
+                self.kv_event.setdefault(req.request_id, asyncio.Event()).set()
 
             asyncio.ensure_future(arrive())
         return PrefillResult(first, finish, seq.prefix_hit_tokens, 0.0, wan, kv if preq.to_relay else None)
@@ -166,11 +200,20 @@ def _orch(backends, **policy) -> Orchestrator:
     return Orchestrator(cfg, backends, backends.p.layout.block_bytes, LinkEstimate(1e5, 0.01))
 
 
-async def _run(orch: Orchestrator, prompt: list[int], n: int, forced=None, rid="r") -> tuple[list[int], RequestState]:
+async def _run(orch: Orchestrator, prompt: list[int], n: int, forced=None, rid="r",
+               fresh_view: bool = True) -> tuple[list[int], RequestState]:
+    """One request with the router's background view of the MDs running (current at the start)."""
+    if fresh_view:
+        await orch.refresh_views()
+    watch = asyncio.ensure_future(orch.watch_views())
     st = RequestState(GenRequest(rid, tuple(prompt), SamplingParams(n)))
     out: list[int] = []
-    async for toks in orch.run(st, forced):
-        out += toks
+    try:
+        async for toks in orch.run(st, forced):
+            out += toks
+    finally:
+        watch.cancel()
+    await asyncio.gather(*orch.bg, return_exceptions=True)  # cleanups and MD's absorb
     assert out == st.committed
     return out, st
 
@@ -343,3 +386,142 @@ def test_kv_timeout_on_relay_path_lets_relay_finish(model_dir):
     out, st = asyncio.run(main())
     assert out == ref and st.info.fallbacks == ["kv_timeout"] and st.info.md_tokens == 0
     assert all(not d for d in b.md_seqs)
+
+
+# ---------------------------------------------------------------- the router's view of the MDs
+
+
+def _two_turns(model_dir, b, orch, n=12):
+    turn1 = _prompt(120, 41)
+    out1, st1 = asyncio.run(_run(orch, turn1, n, rid="v1"))
+    asyncio.run(orch.refresh_views())
+    turn2 = turn1 + out1 + _prompt(6, 42)
+    return st1, turn2, Engine.from_pretrained(model_dir).generate(turn2, n)
+
+
+def test_view_picks_up_a_turns_prefix_after_md_caches_it(model_dir):
+    b = InProcessBackends(model_dir, num_md=2, wan_delay_s=0.05)
+    orch = _orch(b)
+    turn1 = _prompt(120, 41)
+    hashes = block_hashes(turn1, 16)
+    asyncio.run(orch.refresh_views())
+    assert all(orch.index.status(i, hashes).hit_blocks == 0 for i in range(2))
+    _, st1 = asyncio.run(_run(orch, turn1, 12, {"pipeline": "P-MD"}, rid="v1"))
+    md = st1.info.md_replica
+    asyncio.run(orch.refresh_views())
+    assert orch.index.status(md, hashes).hit_blocks == len(turn1) // 16  # no call to MD was needed
+    assert orch.index.status(1 - md, hashes).hit_blocks == 0
+
+
+@pytest.mark.parametrize("stale", ["evicted", "restarted"])
+def test_stale_view_costs_a_resend_never_a_token(model_dir, stale):
+    """The view says MD holds turn 1; MD lost it meanwhile. Prefill already sends from the planned
+    block; MD's prepare reply shows the gap and P resends it: output identical, miss counted."""
+    b = InProcessBackends(model_dir, num_md=1, wan_delay_s=0.05)
+    orch = _orch(b, pipelines=("P-MD",))
+    st1, turn2, ref2 = _two_turns(model_dir, b, orch)
+    assert orch.index.status(0, block_hashes(turn2, 16)).hit_blocks > 0
+    if stale == "evicted":
+        b.mds[0].cache.clear()
+    else:  # a new process: empty DRC, new epoch (the view still holds the old one)
+        b.mds[0] = Engine.from_pretrained(model_dir)
+        b.mws[0] = EngineWorker(b.mds[0])
+        b.epochs[0] += 1
+
+    async def main():
+        out, st = await _run(orch, turn2, 12, rid="v2", fresh_view=False)
+        await asyncio.gather(*orch.bg, return_exceptions=True)
+        return out, st
+
+    out2, st2 = asyncio.run(main())
+    assert out2 == ref2
+    assert "index_miss" in st2.info.fallbacks and orch.index_misses == 1
+    planned, real = b.prepares[-1][1:]
+    assert real == 0 and planned > 0
+    assert all(not d for d in b.md_seqs)
+
+
+def test_stale_view_with_a_relay_may_still_take_it(model_dir):
+    """Decide as late as the end of prefill: when MD's real delta is larger than the view said,
+    the request still takes the relay if MD's answer is in by then."""
+    b = InProcessBackends(model_dir, num_md=1, wan_delay_s=0.3, relay_step_s=0.01)
+    orch = _orch(b, wan_budget_s=0.5)  # at 100 kB/s: the 2-block delta fits, the whole prompt not
+    st1, turn2, ref2 = _two_turns(model_dir, b, orch)
+    b.mds[0].cache.clear()
+    out2, st2 = asyncio.run(_run(orch, turn2, 12, rid="v2", fresh_view=False))
+    assert out2 == ref2
+    assert st2.info.pipeline == "P-RLD-MD" and st2.info.reason.startswith("late"), st2.info.reason
+
+
+def test_prefill_starts_before_a_slow_prepare_returns(model_dir):
+    b = InProcessBackends(model_dir, num_md=1, wan_delay_s=0.05)
+    b.prepare_delay_s = 0.6
+    orch = _orch(b, pipelines=("P-MD",))
+    prompt = _prompt(60, 43)
+    ref = Engine.from_pretrained(model_dir).generate(prompt, 10)
+
+    async def main():
+        await orch.refresh_views()
+        t0 = time.monotonic()
+        out, st = await _run(orch, prompt, 10, fresh_view=False)
+        return out, st, t0
+
+    out, st, t0 = asyncio.run(main())
+    assert out == ref
+    assert b.prefill_starts[0] - t0 < 0.3  # prefill did not wait for MD's 0.6 s prepare
+    assert st.info.ttft_s >= 0.6  # MD could not decode before it was registered
+
+
+# ---------------------------------------------------------------- early ends and relay-path faults
+
+
+@pytest.mark.parametrize("pipeline", ["P-MD", "P-RLD-MD", "P-RLD"])
+def test_request_ended_by_the_router_stops_every_decoder(model_dir, pipeline):
+    """A stop string (or max_tokens at the router, or the client leaving) ends the stream early:
+    MD and RLD stop at once and free their KV; the relay count returns to zero."""
+    b = InProcessBackends(model_dir, num_md=1, wan_delay_s=0.05, relay_step_s=0.01)
+    orch = _orch(b)
+    prompt = _prompt(60, 44)
+    ref = Engine.from_pretrained(model_dir).generate(prompt, 200)
+
+    async def main():
+        await orch.refresh_views()
+        st = RequestState(GenRequest("s1", tuple(prompt), SamplingParams(200)))
+        out: list[int] = []
+        gen = orch.run(st, {"pipeline": pipeline})
+        async for toks in gen:
+            out += toks
+            if len(out) >= 6:
+                st.finish_reason = "stop"  # what the router's detokenizer does on a stop string
+                break
+        await gen.aclose()
+        await asyncio.gather(*orch.bg, return_exceptions=True)
+        await asyncio.sleep(0.2)
+        return out, st
+
+    out, st = asyncio.run(main())
+    assert out == ref[: len(out)]
+    assert all(not d for d in b.md_seqs), "MD still decodes a request the client has finished"
+    assert b.r.pool.num_free == b.r.pool.num_blocks and orch.relay_running == 0
+    assert b.mds[0].pool.num_free + sum(1 for _ in b.mds[0].cache.nodes) == b.mds[0].pool.num_blocks
+
+
+def test_md_lost_before_the_kv_lands_lets_the_relay_finish(model_dir):
+    b = InProcessBackends(model_dir, num_md=1, wan_delay_s=0.3, relay_step_s=0.01)
+    orch = _orch(b)
+    prompt = _prompt(80, 45)
+    ref = Engine.from_pretrained(model_dir).generate(prompt, 40)
+
+    async def dead(i, rid, timeout_s):
+        raise RuntimeError("MD replica died")
+
+    b.md_wait_kv = dead
+
+    async def main():
+        out, st = await _run(orch, prompt, 40, {"pipeline": "P-RLD-MD"})
+        await asyncio.gather(*orch.bg, return_exceptions=True)
+        return out, st
+
+    out, st = asyncio.run(main())
+    assert out == ref and "kv_timeout" in st.info.fallbacks and st.info.md_tokens == 0
+    assert orch.relay_running == 0 and b.r.pool.num_free == b.r.pool.num_blocks

@@ -14,9 +14,8 @@ from pdd_serve.config import PDDConfig
 from pdd_serve.engine.engine import Sequence
 from pdd_serve.engine.kv import block_hashes, blocks_needed
 from pdd_serve.engine.scheduler import EngineWorker
-from pdd_serve.policy import MDStatus
 from pdd_serve.serve.common import load_engine, logger, placement
-from pdd_serve.serve.messages import GenRequest, KVReady, MDPrepareReply, ReplicaStats, TokenChunk
+from pdd_serve.serve.messages import GenRequest, KVReady, MDPrepareReply, MDView, ReplicaStats, TokenChunk
 
 
 class MDRequestError(RuntimeError):
@@ -37,22 +36,39 @@ class MainDecode:
         self._t_prepare: dict[str, float] = {}
         self._calls: dict[str, int] = {}  # router calls in progress per request
         self._touched: dict[str, float] = {}  # last router activity per request
+        # prepare now runs concurrently with prefill: a router call may overtake it on the line
+        self._registered: dict[str, asyncio.Event] = {}
+        self._aborted: dict[str, float] = {}  # aborts that overtook their prepare (refuse it later)
         self._reaper_task: asyncio.Task | None = None
         logger.info("MainDecode %d: Flight at %s", index, self.flight.location)
 
     # ------------------------------------------------------------ control plane
 
-    def status(self, prompt_hashes: list[int]) -> MDStatus:
-        """DRC prefix hit for a prompt and current load (the router's affinity input)."""
-        hit = self.engine.cache.peek(prompt_hashes) if self.engine.cache is not None else 0
-        return MDStatus(self.index, hit, self.worker.num_running + len(self._kv), self.cfg.model.max_batch)
+    def routing_view(self, known: tuple[str, int] | None = None) -> MDView:
+        """What this replica caches and how loaded it is, for the routers' background view (their
+        affinity and pipeline input). The block hashes are sent only when they changed."""
+        cache = self.engine.cache
+        version = cache.stats.inserted_blocks + cache.stats.evicted_blocks if cache is not None else 0
+        epoch = f"{self.started_at}:{self.flight.location}"
+        # list(dict) runs in C under the GIL: a consistent copy while the engine thread inserts
+        hashes = None if known == (epoch, version) else tuple(cache.nodes) if cache is not None else ()
+        return MDView(self.index, epoch, version, hashes, len(self.seqs), self.cfg.model.max_batch,
+                      self.flight.location)
 
-    async def prepare(self, req: GenRequest) -> MDPrepareReply:
-        """Register a request: adopt its DRC prefix and expect the rest of the prompt over Flight."""
+    async def prepare(self, req: GenRequest, planned_start: int | None = None) -> MDPrepareReply:
+        """Register a request: adopt its DRC prefix and expect the rest of the prompt over Flight.
+
+        `planned_start` is the block the router's view told Prefill to send from (Prefill is
+        already sending). Holding more than that, MD adopts only `planned_start` blocks and takes
+        the rest from the stream (the stale view costs bytes); holding less, it expects from its
+        own start and the router has Prefill send the gap."""
+        if self._aborted.pop(req.request_id, None) is not None:
+            raise MDRequestError(f"request {req.request_id} was aborted before its prepare arrived")
         if req.request_id in self.seqs:  # a re-delivery after a lost transfer: start the request over
             await self._drop(req.request_id, cache=False)
         seq = self.engine.add(req.request_id, list(req.prompt_token_ids), req.params)
-        hit = await self.worker.call(self.engine.match_prefix, seq) if self.engine.cache is not None else 0
+        hit = (await self.worker.call(self.engine.match_prefix, seq, planned_start)
+               if self.engine.cache is not None else 0)
         bs = self.engine.block_size
         start = hit // bs
         n = blocks_needed(seq.prompt_len, bs) - start
@@ -60,6 +76,7 @@ class MainDecode:
         hashes += [0] * (n - len(hashes))  # a trailing partial block has no identity
         self.flight.expect(req.request_id, n, start_block=start, num_tokens=seq.prompt_len - hit, hashes=hashes)
         self.seqs[req.request_id] = seq
+        self._registered.pop(req.request_id, asyncio.Event()).set()
         self._t_prepare[req.request_id] = self._touched[req.request_id] = time.monotonic()
         if self._reaper_task is None or self._reaper_task.done():
             self._reaper_task = asyncio.get_running_loop().create_task(self._reaper())
@@ -71,7 +88,7 @@ class MainDecode:
             return await self._wait_kv(request_id, timeout_s)
 
     async def _wait_kv(self, request_id: str, timeout_s: float) -> KVReady:
-        seq = self._seq(request_id)
+        seq = await self._seq_registered(request_id, timeout_s)
         if seq.num_computed >= seq.prompt_len:
             return KVReady(True, 0, 0.0)
         task = self._kv.get(request_id)
@@ -151,6 +168,8 @@ class MainDecode:
 
     async def abort(self, request_id: str) -> bool:
         known = request_id in self.seqs
+        if not known:  # its prepare may still be on the line: refuse it when it lands
+            self._aborted[request_id] = time.monotonic()
         await self._drop(request_id, cache=False)
         return known
 
@@ -182,6 +201,9 @@ class MainDecode:
         replica, or a client stream cancelled before its abort arrived): nothing leaks."""
         grace = 2 * self.cfg.policy.kv_wait_timeout_s
         now = time.monotonic()
+        for rid, t in list(self._aborted.items()):
+            if now - t > grace:
+                del self._aborted[rid]
         for rid, t in list(self._touched.items()):
             if now - t > grace and not self._calls.get(rid):
                 await self._drop(rid, cache=False)
@@ -214,6 +236,16 @@ class MainDecode:
         if seq is None:
             raise MDRequestError(f"request {request_id} is not registered at MD {self.index}")
         return seq
+
+    async def _seq_registered(self, request_id: str, timeout_s: float) -> Sequence:
+        """The request's sequence, waiting (bounded) for a prepare that this call overtook."""
+        if request_id not in self.seqs and request_id not in self._aborted:
+            ev = self._registered.setdefault(request_id, asyncio.Event())
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(ev.wait(), min(timeout_s, self.cfg.policy.kv_wait_timeout_s))
+            if self._registered.get(request_id) is ev and not ev.is_set():
+                del self._registered[request_id]
+        return self._seq(request_id)
 
     async def _ready(self, request_id: str, timeout_s: float) -> Sequence:
         ready = await self.wait_kv(request_id, timeout_s)

@@ -34,10 +34,26 @@ class MDPrepareReply:
 
 @dataclass(frozen=True)
 class KVTarget:
-    """Where Prefill streams the blocks MD lacks."""
+    """Where Prefill streams the blocks MD lacks: [start_block, end_block), None = the prompt's end."""
 
     flight_location: str
     start_block: int
+    end_block: int | None = None
+
+
+@dataclass(frozen=True)
+class MDView:
+    """What a Main decode replica publishes to the routers in the background (its routing stats):
+    its DRC's block hashes and its load, so a router picks an MD and a pipeline with no cross-site
+    round trip. `hashes` is None when unchanged since the version the router already holds."""
+
+    index: int
+    epoch: str  # changes when the replica (or its Flight server) restarts: drop the old view
+    version: int  # moves whenever the DRC inserts or evicts
+    hashes: tuple[int, ...] | None
+    running: int
+    capacity: int
+    flight_location: str
 
 
 @dataclass(frozen=True)

@@ -23,18 +23,19 @@ from pdd_serve.engine.kv import block_hashes, blocks_needed
 from pdd_serve.engine.sampling import RequestError
 from pdd_serve.policy import (
     LinkEstimate,
-    MDStatus,
     catchup_done,
     choose_pipeline,
     pick_md,
     plan_handoff,
     wan_backlog,
 )
+from pdd_serve.serve.md_index import MDIndex
 from pdd_serve.serve.messages import (
     GenRequest,
     KVReady,
     KVTarget,
     MDPrepareReply,
+    MDView,
     PrefillRequest,
     PrefillResult,
     RelayRequest,
@@ -86,8 +87,8 @@ class Backends(Protocol):
 
     num_md: int
 
-    async def md_status(self, i: int, hashes: list[int]) -> MDStatus: ...
-    async def md_prepare(self, i: int, req: GenRequest) -> MDPrepareReply: ...
+    async def md_view(self, i: int, known: tuple[str, int] | None) -> MDView: ...
+    async def md_prepare(self, i: int, req: GenRequest, planned_start: int | None) -> MDPrepareReply: ...
     async def md_wait_kv(self, i: int, request_id: str, timeout_s: float) -> KVReady: ...
     async def md_handoff_batch(self, i: int, request_id: str, token_ids: list[int], timeout_s: float) -> int: ...
     def md_decode(self, i: int, request_id: str, committed: list[int], timeout_s: float) -> AsyncIterator[TokenChunk]: ...
@@ -127,6 +128,9 @@ class RequestState:
     info: PDDInfo = field(default_factory=PDDInfo)
     committed: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    # a decoder (or P) ended the request itself; else (a stop string, max_tokens at the router,
+    # the client gone, a fault) every decoder still working on it must be stopped
+    decoder_done: bool = False
     t0: float = field(default_factory=time.monotonic)
 
 
@@ -141,6 +145,10 @@ class Orchestrator:
         self.bg: set[asyncio.Task] = set()  # fire-and-forget cleanups, kept referenced
         self.timeout = cfg.policy.kv_wait_timeout_s
         self.fallbacks: dict[str, int] = {}  # by kind, for metrics and the soak
+        self.index_misses = 0  # requests whose MD held less than the router's view said
+        period = cfg.policy.drc_view_period_s
+        self.index = MDIndex(backends.num_md, max_age_s=max(3.0, 20 * period),
+                             settle_s=period + 2 * link.latency_s + 0.05)
 
     # ------------------------------------------------------------ entry point
 
@@ -151,29 +159,52 @@ class Orchestrator:
         prompt = list(gen.prompt_token_ids)
         bs = self.cfg.model.block_size
         hashes, nblocks = block_hashes(prompt, bs), blocks_needed(len(prompt), bs)
-        statuses = await asyncio.gather(*(self._status(i, hashes) for i in range(self.b.num_md)))
+        if not self.index.ready:  # only before the first view: one round trip, once per router
+            await self.refresh_views()
+        statuses = [self.index.status(i, hashes) for i in range(self.b.num_md)]
         link = self.line()
-        md = pick_md(list(statuses), nblocks, self.block_bytes, link)
-        missing = (nblocks - statuses[md].hit_blocks) * self.block_bytes
+        md = pick_md(statuses, nblocks, self.block_bytes, link)
+        # the router's view stands in for MD's answer: no cross-site round trip before prefill.
+        # MD always computes at least one prompt token itself, so it adopts at most this many blocks
+        planned = min(statuses[md].hit_blocks, (len(prompt) - 1) // bs) if pol.drc else 0
+        missing = (nblocks - planned) * self.block_bytes
         dec = choose_pipeline(len(prompt), gen.params.max_tokens, missing, link, self.relay_running, pol,
                               forced.get("pipeline"))
         info.pipeline, info.reason = dec.pipeline, dec.reason
         prepared = False
+        prep: asyncio.Future | None = None
         try:
             target = None
-            if dec.pipeline != "P-RLD":
-                prep = await self._prepare_any(st, md, statuses)
-                if prep is None:  # no MD answers: RLD serves it alone, as for anomalous traffic
-                    info.pipeline = dec.pipeline = "P-RLD"
-                else:
-                    md = prep.md_index
-                    prepared = True
-                    info.md_replica = md
-                    info.prefix_hit_md = prep.hit_tokens / len(prompt)
-                    target = KVTarget(prep.flight_location, prep.start_block)
-                    self.wan[gen.request_id] = ((nblocks - prep.start_block) * self.block_bytes, time.monotonic())
-            pre = await self._prefill(st, PrefillRequest(gen, dec.pipeline != "P-MD", target))
+            location = self.index.flight_location(md)
+            if dec.pipeline != "P-RLD" and location is not None:
+                # MD's prepare runs concurrently with prefill; Prefill sends from the planned block
+                prep = _spawn(self._bounded(self.b.md_prepare(md, gen, planned), "MD prepare"))
+                prepared = True
+                info.md_replica = md
+                self.index.assigned(md)
+                target = KVTarget(location, planned)
+                self.wan[gen.request_id] = (missing, time.monotonic())
+            elif dec.pipeline != "P-RLD":  # no view of any MD yet and none answers: RLD serves it alone
+                if not self.cfg.uses_relay:
+                    raise RuntimeError("no main decode replica answered and this graph has no relay")
+                self._fallback(st, "md_unavailable", "no view of any main decode replica")
+                info.pipeline = dec.pipeline = "P-RLD"
+            late = pol.late_relay and "P-RLD-MD" in pol.pipelines and dec.pipeline == "P-MD" and not forced
+            pre = await self._prefill(st, PrefillRequest(gen, dec.pipeline != "P-MD" or late, target))
             info.prefix_hit_p = pre.prefix_hit_tokens / len(prompt)
+            if prep is not None and prep.done() and not prep.exception():
+                # decide as late as the end of prefill: a stale view may have hidden a large delta
+                real = nblocks - prep.result().start_block
+                if late and real > nblocks - planned:
+                    redo = choose_pipeline(len(prompt), gen.params.max_tokens, real * self.block_bytes,
+                                           self.line(), self.relay_running, pol)
+                    if redo.pipeline == "P-RLD-MD":
+                        dec = replace(redo, reason=f"late (the view was stale): {redo.reason}")
+                        info.pipeline, info.reason = dec.pipeline, dec.reason
+            if dec.pipeline == "P-MD" and pre.kv_ref is not None:
+                pre = replace(pre, kv_ref=None)  # not needed after all: free the object-store copy now
+            if prep is not None:
+                self._background(self._settle_prepare(st, md, prep, target))
             if pre.link_bps:  # Prefill's live view of the line
                 self.link = replace(self.link, bandwidth_bps=pre.link_bps / 8)
             info.wan_bytes = pre.wan_bytes
@@ -186,7 +217,7 @@ class Orchestrator:
                 info.ttft_s = time.monotonic() - st.t0
                 yield [pre.first_token]
             if pre.finish_reason is not None:
-                st.finish_reason = pre.finish_reason
+                st.finish_reason, st.decoder_done = pre.finish_reason, True
                 if prepared:
                     self._background(self.b.md_absorb(md, gen.request_id, st.committed, self.timeout))
                     prepared = False
@@ -207,9 +238,9 @@ class Orchestrator:
                     yield toks
             prepared = False  # MD released the request itself (decode/absorb ended it)
         finally:
-            if st.finish_reason is None:  # failed or the client left: its transfer is cancelled
+            if not st.decoder_done:  # failed, stopped early or the client left: its transfer is cancelled
                 self.wan.pop(gen.request_id, None)
-            if prepared and st.finish_reason is None:
+            if prepared and not st.decoder_done:
                 self._background(self.b.md_abort(info.md_replica if info.md_replica is not None else md,
                                                  gen.request_id))
 
@@ -242,9 +273,10 @@ class Orchestrator:
             except asyncio.TimeoutError:
                 raise TimeoutError(f"{who} sent nothing for {self.timeout:.0f}s") from None
             st.committed.extend(chunk.token_ids)
+            if chunk.finish_reason is not None:
+                st.finish_reason, st.decoder_done = chunk.finish_reason, True
             yield chunk
             if chunk.finish_reason is not None:
-                st.finish_reason = chunk.finish_reason
                 return
 
     async def _from_md(self, st: RequestState, md: int) -> AsyncIterator[list[int]]:
@@ -257,7 +289,7 @@ class Orchestrator:
                     st.info.md_tokens += len(chunk.token_ids)
                     yield chunk.token_ids
         finally:
-            if st.finish_reason is None:  # the client left or MD failed: stop MD decoding for nobody
+            if not st.decoder_done:  # the client left, a stop string or MD failed: stop MD decoding for nobody
                 await self._close(it)
 
     async def _from_md_recovering(self, st: RequestState, md: int) -> AsyncIterator[list[int]]:
@@ -276,7 +308,7 @@ class Orchestrator:
                 self._fallback(st, kind, f"MD {md}: {type(e).__name__}: {e}")
                 self._background(self.b.md_abort(md, st.gen.request_id))
                 migrations += 1
-                if migrations > self.cfg.policy.max_migrations or not self._relay_ok_or_md(md):
+                if migrations > self.cfg.policy.max_migrations:
                     break
                 try:
                     md = await self._redeliver(st, avoid=md)
@@ -298,7 +330,7 @@ class Orchestrator:
                     yield chunk.token_ids
         finally:
             self.relay_running -= 1
-            if st.finish_reason is None:
+            if not st.decoder_done:
                 await self._close(it)
 
     async def _relay_takeover(self, st: RequestState) -> AsyncIterator[list[int]]:
@@ -315,16 +347,62 @@ class Orchestrator:
         gen = st.gen
         prompt = list(gen.prompt_token_ids)
         bs = self.cfg.model.block_size
-        statuses = await asyncio.gather(*(self._status(i, block_hashes(prompt, bs)) for i in range(self.b.num_md)))
+        hashes = block_hashes(prompt, bs)
+        statuses = [self.index.status(i, hashes) for i in range(self.b.num_md)]
         others = [s for s in statuses if s.index != avoid and s.healthy]
-        md = pick_md(others or list(statuses), blocks_needed(len(prompt), bs), self.block_bytes, self.line())
-        prep = await self._bounded(self.b.md_prepare(md, gen), "MD prepare")
+        md = pick_md(others or statuses, blocks_needed(len(prompt), bs), self.block_bytes, self.line())
+        prep = await self._bounded(self.b.md_prepare(md, gen, None), "MD prepare")
         st.info.md_replica = md
         pre = await self._prefill(st, PrefillRequest(gen, False, KVTarget(prep.flight_location, prep.start_block)))
         if pre.first_token != st.committed[0]:  # determinism is the whole premise of token-ID handoff
             raise RuntimeError(f"re-prefill gave first token {pre.first_token} != {st.committed[0]}")
         st.info.wan_bytes += pre.wan_bytes
         return md
+
+    async def _settle_prepare(self, st: RequestState, md: int, prep: asyncio.Future, sent: KVTarget) -> None:
+        """MD's real answer, which arrives while Prefill already sends from the router's view.
+        Where the view was stale, P sends what MD lacks besides (a resend from P's prefix cache):
+        the view costs bytes or a resend, never a token. A failed prepare leaves the request to
+        the decode path's own fallbacks (MD is told to abort, so nothing waits on it)."""
+        try:
+            reply: MDPrepareReply = await prep
+        except Exception as e:  # noqa: BLE001
+            self._fallback(st, "md_unavailable", f"MD {md} prepare: {type(e).__name__}: {e}")
+            self.index.failed(md)
+            await self.b.md_abort(md, st.gen.request_id)
+            return
+        st.info.prefix_hit_md = reply.hit_tokens / len(st.gen.prompt_token_ids)
+        if reply.flight_location != sent.flight_location:  # MD's Flight server moved: resend it all
+            miss = KVTarget(reply.flight_location, reply.start_block)
+        elif reply.start_block < sent.start_block:  # MD evicted (or never had) part of the prefix
+            miss = KVTarget(reply.flight_location, reply.start_block, sent.start_block)
+        else:
+            return
+        self.index_misses += 1
+        self._fallback(st, "index_miss", f"MD {md} holds {reply.start_block} prompt blocks, the view "
+                       f"said {sent.start_block} at {sent.flight_location}")
+        if st.decoder_done or st.finish_reason is not None:
+            return
+        pre = await self._prefill(st, PrefillRequest(st.gen, False, miss))
+        st.info.wan_bytes += pre.wan_bytes
+
+    async def refresh_views(self) -> None:
+        """One poll of every MD's routing view (in the background, every drc_view_period_s)."""
+        await asyncio.gather(*(self._refresh_view(i) for i in range(self.b.num_md)))
+
+    async def _refresh_view(self, i: int) -> None:
+        try:
+            view = await asyncio.wait_for(self.b.md_view(i, self.index.known_version(i)),
+                                          timeout=min(5.0, self.timeout))
+        except Exception:  # noqa: BLE001 - an unreachable MD is skipped while another can serve
+            self.index.failed(i)
+            return
+        self.index.update(view)
+
+    async def watch_views(self) -> None:
+        """Keep the view of every MD current (the Router runs this for its lifetime)."""
+        while True:
+            await asyncio.gather(self.refresh_views(), asyncio.sleep(self.cfg.policy.drc_view_period_s))
 
     async def _relay_then_md(self, st: RequestState, md: int, pre: PrefillResult,
                              forced_mode: str | None) -> AsyncIterator[list[int]]:
@@ -348,7 +426,10 @@ class Orchestrator:
             if relay.finished:  # RLD finished it first: MD still absorbs it so the caches stay aligned
                 self._background(self.b.md_absorb(md, rid, list(st.committed), self.timeout))
                 return
-            ready: KVReady = kv.result()
+            try:
+                ready: KVReady = kv.result()
+            except Exception as e:  # noqa: BLE001 - MD died or lost the request: RLD is healthy
+                ready = KVReady(False, error=f"MD {md}: {type(e).__name__}: {e}")
             self._kv_landed(st)
             t_handoff = time.monotonic()
             if not ready.ok:  # the KV did not make it in time: RLD finishes the request alone
@@ -404,19 +485,6 @@ class Orchestrator:
 
     # ------------------------------------------------------------ helpers
 
-    async def _prepare_any(self, st: RequestState, first: int, statuses: list[MDStatus]) -> MDPrepareReply | None:
-        """Register the request at MD `first`, or at the next healthy one when it does not answer."""
-        order = [first] + [s.index for s in sorted(statuses, key=lambda s: (not s.healthy, s.running))
-                           if s.index != first]
-        for i in order:
-            try:
-                return await self._bounded(self.b.md_prepare(i, st.gen), "MD prepare")
-            except Exception as e:  # noqa: BLE001 - a dead or restarting MD: try the next
-                self._fallback(st, "md_unavailable", f"MD {i}: {type(e).__name__}: {e}")
-        if not self.cfg.uses_relay:
-            raise RuntimeError("no main decode replica answered and this graph has no relay")
-        return None
-
     async def _prefill(self, st: RequestState, preq: PrefillRequest) -> PrefillResult:
         """Prefill with bounded retries: a replica that dies mid-prefill is retried on another
         (or on the one Serve restores); MD's expected blocks are idempotent, so a resend is safe."""
@@ -437,10 +505,6 @@ class Orchestrator:
         st.info.fallbacks.append(kind)
         self.fallbacks[kind] = self.fallbacks.get(kind, 0) + 1
 
-    def _relay_ok_or_md(self, failed_md: int) -> bool:
-        """Worth migrating to an MD at all? (With one MD, Serve restores it within the budget.)"""
-        return self.b.num_md > 1 or self.cfg.policy.kv_wait_timeout_s > 0
-
     async def _wait_any(self, *futs: asyncio.Future | None) -> None:
         """Wait for the first of `futs`; a silent decoder past the timeout is a failure."""
         done, _ = await asyncio.wait([f for f in futs if f is not None], timeout=self.timeout,
@@ -457,14 +521,8 @@ class Orchestrator:
         st.committed.extend(chunk.token_ids)
         st.info.eager_tokens += len(chunk.token_ids)
         if chunk.finish_reason is not None:
-            st.finish_reason = chunk.finish_reason
+            st.finish_reason, st.decoder_done = chunk.finish_reason, True
         return chunk.token_ids, chunk.finish_reason is not None
-
-    async def _status(self, i: int, hashes: list[int]) -> MDStatus:
-        try:
-            return await asyncio.wait_for(self.b.md_status(i, hashes), timeout=min(5.0, self.timeout))
-        except Exception:  # an unreachable MD is skipped while another can serve
-            return MDStatus(i, 0, 1 << 30, 1, healthy=False)
 
     async def _bounded(self, aw: Awaitable[T], what: str) -> T:
         try:

@@ -41,6 +41,8 @@ class _BlockFeed:
     def on_chunk(self, engine, seq: Sequence) -> None:  # noqa: ANN001 - runs on the engine thread
         done = seq.num_computed >= seq.prompt_len
         end = blocks_needed(seq.prompt_len, engine.block_size) if done else num_full_blocks(seq.num_computed, engine.block_size)
+        if self.target.end_block is not None:  # a resend of the blocks a stale view left out
+            end = min(end, self.target.end_block)
         if end > self.next_block:
             run = engine.export_kv(seq, self.next_block, end)
             self.nbytes += run.nbytes

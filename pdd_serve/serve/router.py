@@ -18,6 +18,7 @@ from pdd_serve.metrics import RouterMetrics
 from pdd_serve.policy import LinkEstimate
 from pdd_serve.serve import openai_api as oai
 from pdd_serve.serve.common import logger
+from pdd_serve.serve.crosssite import site_handle
 from pdd_serve.serve.messages import GenRequest
 from pdd_serve.serve.orchestrator import Orchestrator, RequestState
 
@@ -25,40 +26,48 @@ api = FastAPI(title="pdd_serve", description="PDD: Prefill -> Relay decode -> Ma
 
 
 class ServeBackends:
-    """Adapts Serve deployment handles to the orchestrator's Backends protocol."""
+    """Adapts Serve deployment handles to the orchestrator's Backends protocol. Every call to a
+    deployment in another site crosses the emulated WAN (`crosssite.site_handle`)."""
 
-    def __init__(self, prefill: Any, relay: Any, mds: list[Any]) -> None:
-        self.p, self.r, self.mds = prefill, relay, list(mds)
+    def __init__(self, cfg: PDDConfig, prefill: Any, relay: Any, mds: list[Any], link: Any) -> None:
+        here = cfg.sites.router
+        self.p = site_handle(prefill, cfg.sites.prefill == here, link)
+        self.r = None if relay is None else site_handle(relay, cfg.sites.relay == here, link)
+        self.mds = [site_handle(m, cfg.sites.main_decode == here, link) for m in mds]
         self.num_md = len(self.mds)
 
-    async def md_status(self, i, hashes):  # noqa: ANN001, ANN201 - signatures in orchestrator.Backends
-        return await self.mds[i].status.remote(hashes)
+    @property
+    def control_messages_delayed(self) -> int:
+        return sum(h.messages for h in (self.p, self.r, *self.mds) if h is not None)
 
-    async def md_prepare(self, i, req):  # noqa: ANN001, ANN201
-        return await self.mds[i].prepare.remote(req)
+    async def md_view(self, i, known):  # noqa: ANN001, ANN201 - signatures in orchestrator.Backends
+        return await self.mds[i].call("routing_view", known)
+
+    async def md_prepare(self, i, req, planned_start):  # noqa: ANN001, ANN201
+        return await self.mds[i].call("prepare", req, planned_start)
 
     async def md_wait_kv(self, i, request_id, timeout_s):  # noqa: ANN001, ANN201
-        return await self.mds[i].wait_kv.remote(request_id, timeout_s)
+        return await self.mds[i].call("wait_kv", request_id, timeout_s)
 
     async def md_handoff_batch(self, i, request_id, token_ids, timeout_s):  # noqa: ANN001, ANN201
-        return await self.mds[i].handoff_batch.remote(request_id, token_ids, timeout_s)
+        return await self.mds[i].call("handoff_batch", request_id, token_ids, timeout_s)
 
     def md_decode(self, i, request_id, committed, timeout_s):  # noqa: ANN001, ANN201
-        return self.mds[i].options(stream=True).decode.remote(request_id, committed, timeout_s)
+        return self.mds[i].stream("decode", request_id, committed, timeout_s)
 
     async def md_absorb(self, i, request_id, output_ids, timeout_s):  # noqa: ANN001, ANN201
-        return await self.mds[i].absorb.remote(request_id, output_ids, timeout_s)
+        return await self.mds[i].call("absorb", request_id, output_ids, timeout_s)
 
     async def md_abort(self, i, request_id):  # noqa: ANN001, ANN201
-        return await self.mds[i].abort.remote(request_id)
+        return await self.mds[i].call("abort", request_id)
 
     async def prefill(self, preq):  # noqa: ANN001, ANN201
-        return await self.p.prefill.remote(preq)
+        return await self.p.call("prefill", preq)
 
     def relay(self, rreq):  # noqa: ANN001, ANN201
         if self.r is None:
             raise RuntimeError("this graph has no relay deployment")
-        return self.r.options(stream=True).generate.remote(rreq)
+        return self.r.stream("generate", rreq)
 
 
 @serve.deployment(max_ongoing_requests=512)
@@ -81,7 +90,9 @@ class Router:
         link = cfg.link.build(self.layout.bytes_per_token)
         bps = link.bandwidth_bps  # the configured line until Prefill reports a measured rate
         est = LinkEstimate(float("inf") if bps is None else bps / 8, link.config.one_way_latency_s)
-        self.orch = Orchestrator(cfg, ServeBackends(prefill, relay, mds), self.layout.block_bytes, est)
+        self.backends = ServeBackends(cfg, prefill, relay, mds, link)
+        self.orch = Orchestrator(cfg, self.backends, self.layout.block_bytes, est)
+        self._watch: Any = None  # the background view of every MD (started with the first request)
         self.metrics = RouterMetrics()
         self.in_flight = 0
         self.created = int(time.time())
@@ -114,11 +125,20 @@ class Router:
         line = self.orch.line()
         return {"role": "router", "in_flight": self.in_flight, "relay_running": self.orch.relay_running,
                 "fallbacks": dict(self.orch.fallbacks), "link_bps": line.bandwidth_bps * 8,
+                "index_misses": self.orch.index_misses,
+                "control_messages_delayed": self.backends.control_messages_delayed,
                 "wan_backlog_bytes": sum(line.backlog), **placement()}
 
     # ------------------------------------------------------------ request handling
 
+    def _watch_views(self) -> None:
+        import asyncio
+
+        if self._watch is None or self._watch.done():
+            self._watch = asyncio.get_running_loop().create_task(self.orch.watch_views())
+
     async def _handle(self, request: Request, kind: str) -> Response:
+        self._watch_views()
         try:
             oai.check_api_key(request.headers, self.cfg.server)
             if self.in_flight >= self.cfg.server.max_queue:

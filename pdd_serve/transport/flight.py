@@ -314,6 +314,10 @@ class KVFlightServer:
         self._transfers: dict[str, _Transfer] = {}
         self._reserved = 0
         self._lock = threading.Lock()
+        # MD's prepare runs concurrently with prefill, so a push may arrive just before its
+        # `expect`: a push for an unknown request waits this long for it before it is refused
+        self.expect_wait_s = 2.0
+        self._expected = threading.Condition(self._lock)
         self.tls = tls_cert is not None
         scheme = "grpc+tls" if self.tls else "grpc+tcp"
         kw: dict[str, object] = {"middleware": {"auth": _BearerAuth(token)}}
@@ -361,6 +365,7 @@ class KVFlightServer:
                                     f"of its {self.max_bytes_total} B cap")
             self._reserved += nbytes
             self._transfers[request_id] = t
+            self._expected.notify_all()
 
     def missing(self, request_id: str) -> list[tuple[int, int]]:
         """Absolute [lo, hi) block ranges not yet received."""
@@ -469,7 +474,9 @@ class KVFlightServer:
         except UnicodeDecodeError:
             raise _fail("bad_descriptor", "request id is not UTF-8") from None
 
-    def _lookup(self, request_id: str) -> _Transfer:
+    def _lookup(self, request_id: str, wait_s: float = 0.0) -> _Transfer:
+        with self._expected:
+            self._expected.wait_for(lambda: request_id in self._transfers, timeout=wait_s)
         try:
             return self._get(request_id)
         except UnknownRequestError as e:
@@ -478,7 +485,7 @@ class KVFlightServer:
     def _do_put(self, descriptor: flight.FlightDescriptor, reader: flight.MetadataRecordBatchReader,
                 writer: flight.FlightMetadataWriter) -> None:
         rid = self._request_of(descriptor)
-        t = self._lookup(rid)
+        t = self._lookup(rid, self.expect_wait_s)
         try:
             check_schema(reader.schema, self.layout)
         except CodecError as e:

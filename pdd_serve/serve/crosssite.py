@@ -1,0 +1,94 @@
+"""Control messages that cross sites pay the link: the one mechanism for every graph.
+
+The application-level link (`LinkModel`) paces KV bytes on Flight; the control plane (the
+Router's calls to Main decode, MD's token stream back) crosses the same WAN, so each message is
+delayed by the link's one-way latency too (`LinkModel.latency_at`, the same jitter model).
+A call pays it on the way out and on the way back; a stream's chunks are *shifted*, not slowed:
+each chunk is released one latency after it arrived, whatever the consumer did meanwhile, as on a
+real pipelined connection. Same-site handles are not wrapped.
+
+Where the kernel shapes the wire (`pdd cluster up --shaped-link`) and netem is missing, this is
+also where the delay comes from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+_END = object()
+
+
+class CrossSiteHandle:
+    """A Serve deployment handle whose every message crosses the WAN (`link.latency_at`)."""
+
+    def __init__(self, handle: Any, link: Any) -> None:  # link: transport.link.LinkModel
+        self.handle, self.link = handle, link
+        self.messages = 0  # delayed messages, both ways (reported by the router's stats)
+
+    def delay_s(self) -> float:
+        self.messages += 1
+        return self.link.latency_at(self.link.now())
+
+    async def call(self, method: str, *args: Any) -> Any:
+        await asyncio.sleep(self.delay_s())
+        result = await getattr(self.handle, method).remote(*args)
+        await asyncio.sleep(self.delay_s())
+        return result
+
+    async def stream(self, method: str, *args: Any) -> AsyncIterator[Any]:
+        """A streaming call; closing this generator cancels the remote stream at once."""
+        await asyncio.sleep(self.delay_s())
+        gen = getattr(self.handle.options(stream=True), method).remote(*args)
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def read() -> None:  # records when each chunk arrived at the far end of the line
+            try:
+                async for item in gen:
+                    q.put_nowait((time.monotonic() + self.delay_s(), item))
+                q.put_nowait((time.monotonic() + self.delay_s(), _END))
+            except Exception as e:  # noqa: BLE001 - the failure crosses the line like a chunk
+                q.put_nowait((time.monotonic() + self.delay_s(), e))
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while True:
+                due, item = await q.get()
+                wait = due - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            reader.cancel()
+            with contextlib.suppress(BaseException):
+                await reader
+            with contextlib.suppress(Exception):
+                gen.cancel()
+
+
+class LocalHandle:
+    """The same interface over a same-site handle: no delay."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+        self.messages = 0
+
+    async def call(self, method: str, *args: Any) -> Any:
+        return await getattr(self.handle, method).remote(*args)
+
+    def stream(self, method: str, *args: Any) -> AsyncIterator[Any]:
+        return getattr(self.handle.options(stream=True), method).remote(*args)
+
+
+def site_handle(handle: Any, same_site: bool, link: Any) -> CrossSiteHandle | LocalHandle:
+    """Wrap a handle by where its deployment sits relative to the caller."""
+    if same_site or link is None or not link.config.paced:
+        return LocalHandle(handle)
+    return CrossSiteHandle(handle, link)
