@@ -7,6 +7,7 @@ only): the evaluation modules, Ray, MLflow and matplotlib are imported when a co
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -180,18 +181,32 @@ def _workload(args: argparse.Namespace) -> Any:
 def _add_compare(p: argparse.ArgumentParser) -> None:
     _add_workload_args(p)
     _add_common(p)
+    g = p.add_argument_group("link and first-token convention")
+    g.add_argument("--shaped-link", default=None, metavar="RATE[,DELAY,JITTER,LOSS]",
+                   help="run on a cluster whose site b sits behind a kernel-shaped veth (root; as `pdd cluster up "
+                        "--shaped-link`), with the local-shaped graphs under cluster_configs/graphs/ by default; "
+                        "delay the kernel can't shape (no netem) comes from the graphs' application-level link")
+    g.add_argument("--stream-first-token", action="store_true",
+                   help="every graph streams P's first token at once (default: the PD convention, the first "
+                        "token leaves with the decoder's stream); one convention for all graphs either way")
 
 
 def _run_compare(args: argparse.Namespace) -> int:
     from evaluations.compare import CompareConfig, run_compare
     from evaluations.cost import CatalogError
-    from evaluations.harness import DEFAULT_GRAPHS, EvalError
+    from evaluations.harness import DEFAULT_GRAPHS, SHAPED_GRAPHS, EvalError
     from pdd_serve.cluster import ClusterError
 
     workload = _workload(args)
-    graphs = tuple(g.strip() for g in args.graphs.split(",") if g.strip()) if args.graphs else DEFAULT_GRAPHS
+    default = SHAPED_GRAPHS if args.shaped_link else DEFAULT_GRAPHS
+    graphs = tuple(g.strip() for g in args.graphs.split(",") if g.strip()) if args.graphs else default
     try:
-        cfg = CompareConfig(graphs=graphs, repeats=args.repeats, **_common_kwargs(args, "pdd-compare"))
+        kw = _common_kwargs(args, "pdd-compare")
+        if args.shaped_link:
+            if kw["env"].use_running_cluster:
+                raise ValueError("--shaped-link starts its own cluster: drop --no-cluster")
+            kw["env"] = dataclasses.replace(kw["env"], shaped_link=args.shaped_link)
+        cfg = CompareConfig(graphs=graphs, repeats=args.repeats, stream_first_token=args.stream_first_token, **kw)
     except ValueError as e:
         raise _usage(f"pdd compare: error: {e}") from None
     try:

@@ -48,6 +48,7 @@ class RequestRecord:
     tt2t_s: float | None = None
     tpot_s: float | None = None
     itl_max_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)  # every gap between tokens (pooled ITL percentiles)
     e2e_s: float | None = None
     output_tokens: int = 0
     finish_reason: str | None = None
@@ -64,6 +65,7 @@ class RequestRecord:
     def as_row(self) -> dict[str, Any]:
         row = asdict(self)
         row.pop("pdd")
+        row.pop("itl_s")
         row.update({f"pdd_{k}": v for k, v in self.pdd.items()})
         return row
 
@@ -145,7 +147,8 @@ async def stream_completion(client: Any, base_url: str, prompt: Sequence[int], t
         if len(stamps) > 1:
             rec.tt2t_s = stamps[1] - t0
             rec.tpot_s = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
-            rec.itl_max_s = max(b - a for a, b in zip(stamps, stamps[1:]))
+            rec.itl_s = [b - a for a, b in zip(stamps, stamps[1:])]
+            rec.itl_max_s = max(rec.itl_s)
     elif not rec.error:
         rec.error = "the stream ended without a token"
 
@@ -258,6 +261,9 @@ def summarize_run(records: Sequence[RequestRecord], sla: SLA, makespan_s: float 
         vals = [getattr(r, f"{name}_s") for r in ok]
         for q in (50, 90, 99):
             out[f"{name}_p{q}_s"] = percentile(vals, q / 100)
+    itls = [g for r in ok for g in r.itl_s]  # pooled: each gap a client waited, as vLLM's ITL
+    for q in (50, 90, 99):
+        out[f"itl_p{q}_s"] = percentile(itls, q / 100)
     out_tokens = sum(r.output_tokens for r in ok)
     eager = sum(int(r.pdd.get("eager_tokens") or 0) for r in ok)
     out["output_tokens"] = out_tokens

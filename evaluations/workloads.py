@@ -449,6 +449,9 @@ class TraceReplay:
     max_context_tokens: int = 4096  # prompt + output above this: the line is skipped (counted)
     block_size: int = 16  # the serving graph's KV block (planned hits are whole blocks)
     seed: int = 0
+    # a window's prefix reuse reaches back minutes: warm both caches first with the prefixes it
+    # reuses from the trace's earlier requests (prefill only, not measured), so it sees those hits
+    warm_history: bool = True
 
     def __post_init__(self) -> None:
         if self.block_tokens <= 0 or self.block_size <= 0 or self.min_output_tokens <= 0 or self.max_output_tokens < self.min_output_tokens:
@@ -502,8 +505,21 @@ def trace_workload(r: TraceReplay) -> Workload:
     t0_ms: int | None = None
     t_poisson = 0.0
     start_ms, end_ms = r.start_s * 1000, (r.start_s + r.window_s) * 1000 if r.window_s else math.inf
+    history: set[int] = set()  # hash chains of the requests before the window
+    warmups: list[Session] = []
+
+    def chains_of(ids: Sequence[int]) -> list[int]:
+        out, parent = [], 0
+        for h in ids:
+            parent = hash((parent, h))
+            out.append(parent)
+        return out
+
     for rec in read_trace(r.path):
         if rec.timestamp_ms < start_ms:
+            if r.warm_history:
+                n_hist = max(2, round(rec.input_length * r.input_scale))
+                history.update(chains_of(rec.hash_ids[: math.ceil(n_hist / r.block_tokens)]))
             continue
         if rec.timestamp_ms >= end_ms or (r.max_requests is not None and len(sessions) >= r.max_requests):
             break
@@ -519,10 +535,15 @@ def trace_workload(r: TraceReplay) -> Workload:
         else:
             at, t_poisson = t_poisson, t_poisson + rng.expovariate(r.rate)
         ids = rec.hash_ids[: math.ceil(n_in / r.block_tokens)]
-        chains, parent = [], 0
-        for h in ids:
-            parent = hash((parent, h))
-            chains.append(parent)
+        chains = chains_of(ids)
+        # the full blocks of this prompt that the history holds and the window has not warmed yet
+        k = 0
+        while k < len(chains) and (k + 1) * r.block_tokens <= n_in and (chains[k] in seen or chains[k] in history):
+            k += 1
+        if k and chains[k - 1] not in seen:
+            warmups.append(Session(f"history-{rec.line}", (Turn(blocks.prompt(ids[:k], k * r.block_tokens), 1,
+                                                                 "warmup"),)))
+            seen.update(chains[:k])
         hit_blocks = 0
         while hit_blocks < len(chains) and chains[hit_blocks] in seen:
             hit_blocks += 1
@@ -536,8 +557,9 @@ def trace_workload(r: TraceReplay) -> Workload:
               ("output_scale", r.effective_output_scale), ("min_output_tokens", r.min_output_tokens),
               ("max_output_tokens", r.max_output_tokens), ("start_s", r.start_s), ("window_s", r.window_s),
               ("max_requests", r.max_requests), ("arrival", r.arrival), ("time_scale", r.time_scale),
-              ("rate", r.rate), ("skipped_too_long", skipped), ("seed", r.seed))
-    return Workload("mooncake-conversation", tuple(sessions), (), params)
+              ("rate", r.rate), ("skipped_too_long", skipped), ("seed", r.seed),
+              ("history_warmups", len(warmups)))
+    return Workload("mooncake-conversation", tuple(sessions), tuple(warmups), params)
 
 
 # ---------------------------------------------------------------- statistics

@@ -105,7 +105,11 @@ def plan_handoff(eager_tokens: int, relay_running: int, policy: PolicyConfig, fo
     return "catch-up" if eager_tokens > policy.handoff_token_threshold and not busy else "one-shot"
 
 
-def catchup_done(remaining_tokens: int, policy: PolicyConfig) -> bool:
-    """Catch-up ends when what is left to hand over fits the final extend (a short stall):
-    each round sends everything pending, so the gap shrinks geometrically while RLD streams."""
-    return remaining_tokens <= policy.handoff_batch_tokens
+def catchup_done(remaining_tokens: int, policy: PolicyConfig, previous_tokens: int | None = None) -> bool:
+    """Catch-up ends when what is left to hand over fits the final extend (a short stall). Each
+    round sends everything pending, so the gap shrinks geometrically while RLD streams, but only
+    down to what RLD makes during one round trip to MD: across a WAN it levels off there, and
+    once a round no longer shrinks it, the final extend takes the rest."""
+    if remaining_tokens <= policy.handoff_batch_tokens:
+        return True
+    return previous_tokens is not None and remaining_tokens >= previous_tokens

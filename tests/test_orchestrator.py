@@ -525,3 +525,13 @@ def test_md_lost_before_the_kv_lands_lets_the_relay_finish(model_dir):
     out, st = asyncio.run(main())
     assert out == ref and "kv_timeout" in st.info.fallbacks and st.info.md_tokens == 0
     assert orch.relay_running == 0 and b.r.pool.num_free == b.r.pool.num_blocks
+
+
+def test_catchup_ends_once_a_round_no_longer_shrinks_the_gap():
+    """Across a WAN the gap levels off at what RLD makes in one round trip: the final extend takes it."""
+    from pdd_serve.policy import catchup_done
+
+    pol = PolicyConfig(handoff_batch_tokens=8)
+    assert catchup_done(8, pol) and not catchup_done(40, pol)
+    assert not catchup_done(20, pol, previous_tokens=40)  # still shrinking: another round
+    assert catchup_done(12, pol, previous_tokens=12) and catchup_done(13, pol, previous_tokens=12)

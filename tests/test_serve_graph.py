@@ -148,8 +148,10 @@ def test_policy_routes_cold_to_relay_and_next_turn_to_md_with_affinity(graph, re
     hashes = block_hashes(turn1, 16)
     md = _handle(f"MainDecode{a['pdd']['md_replica']}")
     deadline = time.monotonic() + 30
-    while md.status.remote(hashes).result(timeout_s=30).hit_blocks < len(hashes) and time.monotonic() < deadline:
+    while (not set(hashes) <= set(md.routing_view.remote(None).result(timeout_s=30).hashes)
+           and time.monotonic() < deadline):
         time.sleep(0.25)
+    time.sleep(0.5)  # the router's background view (every 0.1 s, 50 ms each way) picks it up
     b = _complete(graph, turn2, 40)
     assert b["pdd"]["pipeline"] == "P-MD", b["pdd"]
     assert b["pdd"]["md_replica"] == a["pdd"]["md_replica"]
@@ -294,3 +296,26 @@ def test_overload_gets_clean_503_and_accepted_requests_complete(graph, ref_engin
         else:
             assert r.json()["choices"][0]["token_ids"] == _ref_ignore_eos(ref_engine, prompt, 48)
     assert time.monotonic() - t0 < 120
+
+
+def test_cross_site_calls_pay_the_link_on_real_handles(graph):
+    """A Serve call to site b through the cross-site wrapper takes at least two one-way latencies;
+    the same call as a same-site call does not. The Router delays its own calls to MD the same way."""
+    from pdd_serve.serve.crosssite import site_handle
+    from pdd_serve.transport.link import LinkModel
+
+    link = LinkModel(one_way_latency_s=0.05)
+    md = _handle("MainDecode0")
+
+    async def rtt(h) -> float:
+        best = float("inf")
+        for _ in range(3):  # the best of three: the machine is shared
+            t = time.monotonic()
+            await h.call("routing_view", None)
+            best = min(best, time.monotonic() - t)
+        return best
+
+    assert asyncio.run(rtt(site_handle(md, False, link))) >= 2 * 0.05
+    assert asyncio.run(rtt(site_handle(md, True, link))) < 2 * 0.05
+    st = _handle("Router").stats.remote().result(timeout_s=60)
+    assert st["control_messages_delayed"] > 0  # the graph's own Router -> MD traffic paid the link

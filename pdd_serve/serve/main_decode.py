@@ -129,15 +129,18 @@ class MainDecode:
         final: TokenChunk | None = None
         self._calls[request_id] = self._calls.get(request_id, 0) + 1  # decoding: never an orphan
         try:
+            t0 = time.perf_counter()
             seq = await self._ready(request_id, timeout_s)
             have = len(seq.output_ids)
             if seq.output_ids != list(committed[:have]):
                 raise MDRequestError(f"{request_id}: MD holds tokens that differ from the committed stream")
+            t1 = time.perf_counter()
             tok = await self.worker.call(self.engine.extend, seq, list(committed[have:]))
+            timings = {"md_kv_wait_s": t1 - t0, "md_step_s": time.perf_counter() - t1}
             if seq.finish_reason is not None:
-                final = TokenChunk([tok], seq.finish_reason)
+                final = TokenChunk([tok], seq.finish_reason, timings)
             else:
-                yield TokenChunk([tok])
+                yield TokenChunk([tok], timings=timings)
                 async with contextlib.aclosing(self.worker.decode(seq)) as steps:
                     async for step in steps:
                         if step.finish_reason is not None:

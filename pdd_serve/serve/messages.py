@@ -95,6 +95,7 @@ class TokenChunk:
 
     token_ids: list[int]
     finish_reason: str | None = None
+    timings: dict[str, float] | None = None  # MD's first chunk: where its part of the TTFT went
 
 
 @dataclass

@@ -112,6 +112,12 @@ class PDDInfo:
     prefix_hit_p: float = 0.0
     prefix_hit_md: float = 0.0
     ttft_s: float = 0.0
+    # where a TTFT went (P->MD): the router's decision, prefill as the router saw it, MD's wait for
+    # the KV after the decode call landed, MD's first step; the rest is the calls across the line
+    decision_s: float | None = None
+    prefill_s: float | None = None
+    md_kv_wait_s: float | None = None
+    md_step_s: float | None = None
     kv_ready_s: float | None = None
     handoff_s: float | None = None
     reason: str = ""
@@ -171,6 +177,7 @@ class Orchestrator:
         dec = choose_pipeline(len(prompt), gen.params.max_tokens, missing, link, self.relay_running, pol,
                               forced.get("pipeline"))
         info.pipeline, info.reason = dec.pipeline, dec.reason
+        info.decision_s = time.monotonic() - st.t0
         prepared = False
         prep: asyncio.Future | None = None
         try:
@@ -191,6 +198,7 @@ class Orchestrator:
                 info.pipeline = dec.pipeline = "P-RLD"
             late = pol.late_relay and "P-RLD-MD" in pol.pipelines and dec.pipeline == "P-MD" and not forced
             pre = await self._prefill(st, PrefillRequest(gen, dec.pipeline != "P-MD" or late, target))
+            info.prefill_s = time.monotonic() - st.t0 - info.decision_s
             info.prefix_hit_p = pre.prefix_hit_tokens / len(prompt)
             if prep is not None and prep.done() and not prep.exception():
                 # decide as late as the end of prefill: a stale view may have hidden a large delta
@@ -286,6 +294,9 @@ class Orchestrator:
             async with contextlib.aclosing(self._to_end(st, it, f"MD {md}")) as chunks:
                 async for chunk in chunks:
                     self._kv_landed(st)
+                    if chunk.timings and st.info.md_step_s is None:
+                        st.info.md_kv_wait_s = chunk.timings.get("md_kv_wait_s")
+                        st.info.md_step_s = chunk.timings.get("md_step_s")
                     st.info.md_tokens += len(chunk.token_ids)
                     yield chunk.token_ids
         finally:
@@ -441,9 +452,11 @@ class Orchestrator:
             mode = plan_handoff(st.info.eager_tokens, self.relay_running, pol, forced_mode)
             st.info.handoff_mode = mode
             md_has = 0  # output tokens whose KV MD has built
+            gap: int | None = None  # tokens still to hand over after the previous round
             # Phase 2 (catch-up): hand committed tokens over in batches while RLD keeps generating;
             # each batch keeps the last committed token back, the final extend needs its logits
-            while mode == "catch-up" and not catchup_done(len(st.committed) - md_has, pol):
+            while mode == "catch-up" and not catchup_done(len(st.committed) - md_has, pol, gap):
+                gap = len(st.committed) - md_has
                 batch = _spawn(self.b.md_handoff_batch(md, rid, st.committed[md_has:-1], self.timeout))
                 st.info.handoff_batches += 1
                 async for toks in relay.until(batch):
