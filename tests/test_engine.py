@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from pdd_serve.engine.engine import Engine
 from pdd_serve.engine.kv import KVError
 from pdd_serve.engine.model import CheckpointError
-from pdd_serve.engine.sampling import RequestError, SamplingParams
+from pdd_serve.engine.sampling import MIN_TEMPERATURE, RequestError, SamplingParams, sample
 
 
 def _prompt(n: int, seed: int, vocab: int = 512) -> list[int]:
@@ -204,6 +204,8 @@ def test_stop_tokens_and_max_tokens(model_dir):
     (dict(max_tokens=600), "context"),
     (dict(max_tokens=0), "max_tokens"),
     (dict(temperature=-0.5), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
     (dict(top_p=0.0), "top_p"),
 ])
 def test_bad_requests_raise_typed_errors(model_dir, bad, match):
@@ -233,3 +235,37 @@ def test_bad_checkpoints_raise_clear_errors(model_dir, tmp_path):
     (gpt2 / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="unsupported architecture"):
         Engine.from_pretrained(gpt2)
+
+
+def test_sampling_is_total_over_accepted_temperatures(model_dir):
+    """1e-40 used to give NaN probabilities and a multinomial crash (retried as a prefill fault).
+    Below MIN_TEMPERATURE sampling is greedy; above it, float64 keeps softmax finite."""
+    eng = Engine.from_pretrained(model_dir)
+    prompt = _prompt(20, 11)
+    greedy = eng.generate(prompt, 16)
+    for t in (1e-40, 5e-324, 1e-6, 1e-4):  # 1e-4 samples, but from a distribution that is one-hot
+        assert eng.generate(prompt, 16, temperature=t, seed=3) == greedy, t
+        assert eng.generate(prompt, 16, temperature=t, top_p=0.5, top_k=7) == greedy, t
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 512, generator=g) * 40  # wide logits: float32 softmax at T=1e-4 overflowed
+    for t in (1e-30, MIN_TEMPERATURE, 1e-3, 0.7, 2.0):
+        for p in (SamplingParams(temperature=t), SamplingParams(temperature=t, top_p=0.3, top_k=5, seed=1)):
+            toks = sample(logits, [p] * 3, [0, 1, 2])
+            assert all(0 <= x < 512 for x in toks)
+            if t <= 1e-3:
+                assert toks == logits.argmax(-1).tolist()
+
+
+def test_a_sampling_fault_is_a_request_error_not_a_retryable_one():
+    bad = torch.zeros(1, 8)
+    bad[0, 3] = float("nan")
+    with pytest.raises(RequestError, match="non-finite logits"):
+        sample(bad, [SamplingParams(temperature=0.8, seed=1)], [0])
+    bad[0, 3] = float("inf")
+    with pytest.raises(RequestError, match="non-finite logits"):
+        sample(bad, [SamplingParams(temperature=0.8, seed=1)], [0])
+    masked = torch.zeros(1, 8)
+    masked[0, :5] = float("-inf")  # masked-out tokens are fine: only the rest can be drawn
+    assert sample(masked, [SamplingParams(temperature=0.8, seed=1)], [0])[0] >= 5
+    with pytest.raises(RequestError, match="temperature"):
+        SamplingParams(temperature="0.5")  # type: ignore[arg-type]

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from pdd_serve.engine.engine import Engine
-from pdd_serve.engine.sampling import SamplingParams
+from pdd_serve.engine.kv import OutOfBlocksError, PoolFullError
+from pdd_serve.engine.sampling import RequestError, SamplingParams
 from pdd_serve.engine.scheduler import EngineWorker
 from tests.test_engine import _prompt
 
@@ -53,3 +56,70 @@ def test_a_consumer_that_stops_early_leaves_the_batch(model_dir):
 
     assert asyncio.run(main()) == 0
     assert eng.pool.num_free == eng.pool.num_blocks
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_a_full_pool_preempts_and_resumes_without_losing_a_token(model_dir, prefix_cache):
+    """More decoding KV than the pool holds: the youngest request is preempted and recomputed
+    later, every stream equals one engine's greedy generate, and nothing stays allocated."""
+    ref_eng = Engine.from_pretrained(model_dir, enable_prefix_cache=False)
+    shared = _prompt(16, 99)  # a shared prefix, so with the cache on the recompute can hit
+    prompts = [shared + _prompt(n, 100 + i) for i, n in enumerate((5, 12, 20, 9, 30))]
+    refs = [ref_eng.generate(p, 48) for p in prompts]
+    assert min(map(len, refs)) > 24  # long enough to outgrow the pool
+    eng = Engine.from_pretrained(model_dir, kv_cache_bytes=12 * ref_eng.layout.block_bytes,
+                                 enable_prefix_cache=prefix_cache)
+    worker = EngineWorker(eng, max_batch=8)
+    refused = 0
+
+    async def one(i: int) -> list[int]:
+        nonlocal refused
+        await asyncio.sleep(0.005 * i)
+        while True:
+            try:
+                seq = eng.add(f"r{i}", prompts[i], SamplingParams(48))
+                break
+            except PoolFullError:  # typed "not now": the caller retries (the router: elsewhere)
+                refused += 1
+                await asyncio.sleep(0.01)
+        await worker.call(eng.prefill, seq)
+        out = list(seq.output_ids)
+        async for step in worker.decode(seq):
+            assert len(step.token_ids) == 1
+            out += step.token_ids
+        assert out == seq.output_ids
+        await worker.release(seq)
+        return out
+
+    async def main() -> list[list[int]]:
+        return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+
+    assert asyncio.run(main()) == refs
+    assert eng.preemptions > 0 and eng.num_preempted == 0
+    cached = eng.cache.num_blocks if eng.cache is not None else 0
+    assert eng.pool.num_free + cached == eng.pool.num_blocks
+
+
+def test_admission_tells_not_now_from_never(model_dir):
+    probe = Engine.from_pretrained(model_dir, enable_prefix_cache=False)
+    eng = Engine.from_pretrained(model_dir, kv_cache_bytes=4 * probe.layout.block_bytes, enable_prefix_cache=False)
+    with pytest.raises(RequestError, match="raise kv_cache_bytes"):  # can never fit: the client's fault
+        eng.add("big", _prompt(40, 1), SamplingParams(40))
+    a = eng.add("a", _prompt(40, 1), SamplingParams(8))
+    eng.prefill(a)  # holds 3 of the 4 blocks
+    with pytest.raises(PoolFullError, match="retry later"):
+        eng.add("b", _prompt(40, 2), SamplingParams(8))
+    with pytest.raises(OutOfBlocksError):  # and it is not a RequestError: the orchestrator may retry it
+        eng.add("b", _prompt(40, 2), SamplingParams(8))
+    assert not issubclass(PoolFullError, ValueError)
+    eng.release(a)
+    eng.release(eng.add("b", _prompt(40, 2), SamplingParams(8)))
+
+
+def test_generate_batch_admits_as_room_frees_and_matches_generate(model_dir):
+    ref_eng = Engine.from_pretrained(model_dir, enable_prefix_cache=False)
+    prompts = [_prompt(n, 200 + n) for n in (30, 7, 45, 18, 26, 33)]
+    refs = [ref_eng.generate(p, 40) for p in prompts]
+    eng = Engine.from_pretrained(model_dir, kv_cache_bytes=10 * ref_eng.layout.block_bytes, enable_prefix_cache=False)
+    assert eng.generate_batch(prompts, SamplingParams(40)) == refs
+    assert eng.preemptions > 0 and eng.pool.num_free == eng.pool.num_blocks

@@ -9,6 +9,7 @@ No Ray here. The serving layer composes these operations:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from pdd_serve.engine.kv import (
     KVError,
     KVLayout,
     OutOfBlocksError,
+    PoolFullError,
     block_hashes,
     blocks_needed,
     dtype_name,
@@ -45,6 +47,8 @@ class Sequence:
     prefix_hit_tokens: int = 0
     locked_hashes: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # None while running | "stop" | "length" | "abort"
+    arrival: int = 0  # admission order: the youngest sequence is preempted first
+    preempted: bool = False  # KV freed for others; `Engine.resume` recomputes it from token_ids
 
     @property
     def output_ids(self) -> list[int]:
@@ -81,6 +85,9 @@ class Engine:
             if enable_prefix_cache else None
         )
         self.stop_ids = frozenset(self.args.eos_token_ids)
+        self._arrivals = itertools.count()
+        self.num_preempted = 0  # sequences waiting to resume (they go before new admissions)
+        self.preemptions = 0  # total, for stats and tests
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: torch.dtype | str | None = None,
@@ -107,18 +114,37 @@ class Engine:
             raise RequestError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
                                f"exceeds the model's context of {ctx} tokens")
         need = blocks_needed(len(prompt_token_ids) + params.max_tokens, self.block_size)
-        if need > self.pool.num_blocks:
+        if need > self.pool.num_blocks:  # never fits: the client's request is at fault
             raise RequestError(f"the request needs {need} KV blocks but the pool holds {self.pool.num_blocks}; "
                                "lower max_tokens or raise kv_cache_bytes")
-        return Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params)
+        # fits, but maybe not now: admit by free blocks, and never ahead of preempted sequences
+        # (running work first, as vLLM), so a full pool refuses new work instead of failing old
+        if self.num_preempted or not self._fits(list(prompt_token_ids)):
+            raise PoolFullError(f"the KV pool is full ({self.pool.num_free} of {self.pool.num_blocks} blocks free, "
+                                f"{self.num_preempted} preempted requests waiting): retry later or on another replica")
+        return Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params,
+                        arrival=next(self._arrivals))
 
-    def match_prefix(self, seq: Sequence) -> int:
-        """Adopt the longest cached prefix of the prompt (at least one prompt token stays to compute).
-        Returns the number of hit tokens."""
+    def _fits(self, token_ids: list[int]) -> bool:
+        """Whether KV for `token_ids` plus one sampled token fits now, counting the prefix-cache
+        blocks it would reuse and those the cache could evict."""
+        hit: list[int] = []
+        if self.cache is not None:
+            hashes = block_hashes(token_ids[:-1], self.block_size)
+            hit = hashes[: self.cache.peek(hashes)]
+        need = blocks_needed(len(token_ids) + 1, self.block_size) - len(hit)
+        if need <= self.pool.num_free:
+            return True
+        return self.cache is not None and need <= self.pool.num_free + self.cache.evictable(hit)
+
+    def match_prefix(self, seq: Sequence, max_blocks: int | None = None) -> int:
+        """Adopt the longest cached prefix of the prompt (at least one prompt token stays to compute),
+        at most `max_blocks` blocks of it. Returns the number of hit tokens."""
         assert seq.num_computed == 0 and not seq.block_table
         if self.cache is None:
             return 0
-        m = self.cache.match(seq.token_ids[: seq.prompt_len - 1])
+        limit = seq.prompt_len - 1 if max_blocks is None else min(seq.prompt_len - 1, max_blocks * self.block_size)
+        m = self.cache.match(seq.token_ids[:limit])
         if m.hashes:
             self.pool.incref(m.values)
             self.cache.lock(m.hashes)
@@ -134,14 +160,79 @@ class Engine:
 
     def release(self, seq: Sequence, cache: bool = True) -> None:
         """Free a request's KV; its full computed blocks go to the prefix cache first."""
-        if cache and self.cache is not None and seq.finish_reason != "abort":
+        self._free_kv(seq, cache and seq.finish_reason != "abort")
+        if seq.preempted:
+            seq.preempted, self.num_preempted = False, self.num_preempted - 1
+        if seq.finish_reason is None:
+            seq.finish_reason = "abort"
+
+    def _free_kv(self, seq: Sequence, cache: bool) -> None:
+        if cache and self.cache is not None:
             self._cache_blocks(seq)
         if self.cache is not None and seq.locked_hashes:
             self.cache.unlock(seq.locked_hashes)
         self.pool.decref(seq.block_table)
         seq.block_table, seq.locked_hashes = [], []
-        if seq.finish_reason is None:
-            seq.finish_reason = "abort"
+
+    # ------------------------------------------------------------ preemption (vLLM's recompute)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free a decoding sequence's KV for others but keep its tokens: `resume` recomputes the
+        KV from them later (one forward: cheaper than a failed batch, and no KV to park). Its
+        full blocks go to the prefix cache, so the recompute hits them if they survive."""
+        self._free_kv(seq, cache=True)
+        seq.num_computed = 0
+        seq.preempted = True
+        self.num_preempted += 1
+        self.preemptions += 1
+
+    def can_resume(self, seq: Sequence) -> bool:
+        return self._fits(seq.token_ids)
+
+    def resume(self, seq: Sequence) -> int:
+        """Recompute a preempted sequence's KV from its token ids and sample its next token:
+        the token the decode steps it missed would have produced (same logits, same step
+        seed), so its stream goes on with nothing lost or repeated."""
+        assert seq.preempted and not seq.finished and not seq.block_table
+        seq.preempted, self.num_preempted = False, self.num_preempted - 1
+        if self.cache is not None:  # reuse what survived of its blocks (not counted as a request's hit)
+            m = self.cache.match(seq.token_ids[:-1], record=False)
+            if m.hashes:
+                self.pool.incref(m.values)
+                self.cache.lock(m.hashes)
+                seq.block_table, seq.locked_hashes, seq.num_computed = list(m.values), list(m.hashes), m.num_tokens
+        return self._forward(seq, len(seq.token_ids))
+
+    def reserve_decode(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Give each sequence a slot for its pending token. When the pool runs short (after the
+        prefix cache evicted what it could), preempt the youngest until the rest fit, instead
+        of failing the step for the whole batch. Returns the sequences that run, oldest first."""
+        run = sorted(seqs, key=lambda s: s.arrival)
+        bs = self.block_size
+        while run:
+            need = sum(max(0, blocks_needed(len(s.token_ids), bs) - len(s.block_table)) for s in run)
+            if need > self.pool.num_free and self.cache is not None:
+                self.cache.evict((need - self.pool.num_free) * self.layout.block_bytes)
+            if need <= self.pool.num_free:
+                break
+            self.preempt(run.pop())
+        for s in run:
+            self._ensure_blocks(s, len(s.token_ids))
+        return run
+
+    def step(self, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
+        """One scheduling step over decoding sequences (each has one pending token, or is
+        preempted): a batched decode step over the running ones (preempting the youngest if the
+        pool runs short), then resume preempted ones that fit, oldest first. Returns (sequence,
+        token) per sequence that produced a token; a sequence waiting to resume produces none."""
+        was_waiting = [s for s in seqs if s.preempted]
+        run = self.reserve_decode([s for s in seqs if not s.preempted and not s.finished])
+        out = list(zip(run, self.decode_step(run))) if run else []
+        for s in sorted(was_waiting, key=lambda s: s.arrival):  # not those preempted just now: no thrash
+            if not self.can_resume(s):
+                break
+            out.append((s, self.resume(s)))
+        return out
 
     # ------------------------------------------------------------ compute
 
@@ -314,17 +405,30 @@ class Engine:
     def generate_batch(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Continuous batching over many requests: all decode together, each leaves when done."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        seqs = [self.add(f"b{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, plist))]
+        seqs: list[Sequence] = []
+        running: list[Sequence] = []
         try:
-            for s in seqs:
-                self.prefill(s)
-            running = [s for s in seqs if not s.finished]
-            while running:
-                self.decode_step(running)
+            while len(seqs) < len(prompts) or running:
+                while len(seqs) < len(prompts):  # admit in order while the pool has room
+                    i = len(seqs)
+                    try:
+                        s = self.add(f"b{i}", prompts[i], plist[i])
+                    except PoolFullError:
+                        if running:
+                            break  # wait for running requests to finish
+                        raise
+                    seqs.append(s)
+                    running.append(s)
+                    self.prefill(s)
+                live = [s for s in running if not s.finished]
+                if live and not self.step(live) and not any(s.preempted and self.can_resume(s) for s in live):
+                    raise OutOfBlocksError("every running request is preempted and none fits the pool")
+                for s in [s for s in running if s.finished]:
+                    self.release(s)  # at once: its blocks let preempted requests resume
                 running = [s for s in running if not s.finished]
             return [s.output_ids for s in seqs]
         finally:
-            for s in seqs:
+            for s in running:
                 self.release(s)
 
     def warmup(self) -> None:
@@ -341,4 +445,4 @@ class Engine:
         return num_tokens * self.layout.bytes_per_token
 
 
-__all__ = ["Engine", "Sequence", "SamplingParams", "RequestError", "OutOfBlocksError"]
+__all__ = ["Engine", "Sequence", "SamplingParams", "RequestError", "OutOfBlocksError", "PoolFullError"]

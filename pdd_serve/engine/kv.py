@@ -32,6 +32,12 @@ class OutOfBlocksError(RuntimeError):
     """The block pool has no free block left (after evicting what the prefix cache could)."""
 
 
+class PoolFullError(OutOfBlocksError):
+    """A request that fits the pool, but not *now*: running requests hold the blocks. Not the
+    client's fault (a request that can never fit is a RequestError): retry it later or on another
+    replica."""
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     for name, td in _TORCH_DTYPES.items():
         if td == dtype:

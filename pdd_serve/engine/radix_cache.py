@@ -105,6 +105,19 @@ class RadixCache:
             n += 1
         return n
 
+    def evictable(self, keep: list[int] = ()) -> int:
+        """Blocks eviction could free now: nodes neither locked nor above a locked node, not
+        counting `keep` (a prefix about to be locked by a new request) and its ancestors.
+        Reads a snapshot, so an admission check on the event loop may call it while the engine
+        thread inserts (list() of a dict is one step under the GIL)."""
+        nodes = dict(list(self.nodes.items()))
+        pinned: set[int] = set()
+        for h in [h for h, n in nodes.items() if n.lock > 0] + [h for h in keep if h in nodes]:
+            while h in nodes and h not in pinned:
+                pinned.add(h)
+                h = nodes[h].parent
+        return len(nodes) - len(pinned)
+
     # ------------------------------------------------------------ updates
 
     def insert(self, hashes: list[int], values: list[int]) -> list[bool]:

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 
 class RequestError(ValueError):
-    """A request the engine refuses: bad prompt, parameters out of range, too long for the model."""
+    """A request the engine refuses: bad prompt, parameters out of range, too long for the model.
+    Deterministic: the same request fails the same way anywhere, so it is never retried."""
+
+
+# Below this temperature sampling is greedy, as in vLLM (_SAMPLING_EPS): logits / T overflows
+# long before T reaches 0 (1e-40 gave inf, NaN probabilities and a multinomial crash), and the
+# distribution it tends to is the argmax anyway. Above it, float64 keeps softmax exact.
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -24,16 +32,21 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
             raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise RequestError(f"temperature must be a finite number >= 0 (below {MIN_TEMPERATURE:g}: greedy), "
+                               f"got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise RequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
+
+
+def _is_real(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -54,16 +67,20 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int])
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, step: int) -> int:
-    logits = logits.float() / p.temperature
+    logits = logits.double() / p.temperature  # float64 over T >= MIN_TEMPERATURE: finite, exact softmax
     if p.top_k > 0:
         kth = torch.topk(logits, min(p.top_k, logits.shape[-1])).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    probs = torch.softmax(logits, dim=-1)  # subtracts the max: the top token's weight is exactly 1
     if p.top_p < 1.0:
         sorted_p, idx = torch.sort(probs, descending=True)
         keep = sorted_p.cumsum(-1) - sorted_p < p.top_p  # always keeps the top token
         sorted_p = sorted_p * keep
         probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
+    if not torch.isfinite(probs).all() or not probs.sum() > 0:  # NaN/+inf logits: the model's fault on
+        # this input, not the host's; it would fail the same way on any replica, so no retry
+        raise RequestError("the model produced non-finite logits for this request (check the checkpoint "
+                           "and dtype)")
     gen = None
     if p.seed is not None:
         gen = torch.Generator(device="cpu").manual_seed(step_seed(p.seed, step))

@@ -2,12 +2,14 @@
 
 The engine is not thread-safe, so every engine call runs on one worker thread (FIFO); the
 event loop stays free for control-plane calls and Flight while the model computes. Decoding
-requests join and leave the batch between steps.
+requests join and leave the batch between steps. When the KV pool runs short, the engine preempts
+the youngest request and recomputes it later (`Engine.step`); its stream just pauses.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -67,6 +69,8 @@ class EngineWorker:
     async def release(self, seq: Sequence, cache: bool = True) -> None:
         self._active.pop(seq.request_id, None)
         await self.call(self.engine.release, seq, cache)
+        if self._loop_task is not None and self._loop_task.get_loop() is asyncio.get_running_loop():
+            self._wake.set()  # freed blocks may let a preempted request resume
 
     def _ensure_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -79,15 +83,15 @@ class EngineWorker:
 
     async def _run(self) -> None:
         while True:
-            batch = [(s, q) for s, q in list(self._active.values()) if not s.finished and s.num_pending == 1]
+            batch = [(s, q) for s, q in list(self._active.values())
+                     if not s.finished and (s.preempted or s.num_pending == 1)]
             batch = batch[: self.max_batch]
             if not batch:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            seqs = [s for s, _ in batch]
             try:
-                toks = await self.call(self.engine.decode_step, seqs)
+                out = await self.call(self.engine.step, [s for s, _ in batch])
             except Exception as e:  # a failed step fails its requests, not the replica
                 for _, q in batch:
                     q.put_nowait(e)
@@ -95,5 +99,10 @@ class EngineWorker:
                     self._active.pop(s.request_id, None)
                 continue
             self.steps += 1
-            for (s, q), t in zip(batch, toks):
-                q.put_nowait(StepOutput([t], s.finish_reason))
+            queues = {s.request_id: q for s, q in batch}
+            for s, t in out:
+                queues[s.request_id].put_nowait(StepOutput([t], s.finish_reason))
+            if not out:  # all preempted, the blocks held outside the batch (imports, prefill): wait
+                self._wake.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), 0.05)
