@@ -139,9 +139,13 @@ class FlightConfig:
     advertise_host: str | None = None  # None: the bind host (or the node IP when binding 0.0.0.0)
     port: int = 0  # 0: any free port
     token: str | None = None  # None: from $PDD_FLIGHT_TOKEN, else one random token per graph
+    # The key of the MAC over each KV batch (request id, block hashes, CRCs): the token lets a
+    # client write, the MAC proves P wrote what MD caches. None: one random key per graph.
+    mac_key: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_root_cert: str | None = None
+    tls_server_name: str | None = None  # the name P checks MD's certificate for (None: MD's address)
     batch_blocks: int = 64  # ~2 MB batches at 32 KB blocks: smaller ones halve Flight throughput
     deadline_s: float = 60.0
     max_bytes_per_request: int = 256 << 20
@@ -164,9 +168,18 @@ class ServerConfig:
     max_tokens_limit: int = 4096
     max_stop: int = 8
     max_queue: int = 256  # requests in flight at the router before 503 + Retry-After
+    api_keys_file: str | None = None  # more API keys, one a line, read by the Router: keys stay out of YAML
+    admin_api_keys: tuple[str, ...] = ()  # these callers also see cache-hit facts (and pass as API keys)
+    # prefix_hit_p / prefix_hit_md / wan_bytes in every response: with them any client can probe
+    # whether another tenant's prefix is cached, so only dev and measurement graphs turn this on
+    expose_cache_hits: bool = False
+    # serve HTTP beyond loopback without API keys, or Flight beyond loopback without TLS
+    allow_insecure: bool = False
 
     def __post_init__(self) -> None:
         _require(bool(self.model_name), "server.model_name must not be empty")
+        _require(all(isinstance(k, str) and k for k in (*self.api_keys, *self.admin_api_keys)),
+                 "server.api_keys and server.admin_api_keys must be non-empty strings")
         _require(self.max_body_bytes > 0 and self.max_tokens_limit > 0 and self.max_queue > 0,
                  "server limits must be > 0")
 
@@ -189,10 +202,35 @@ class PDDConfig:
                  "sites.relay must equal sites.prefill: relay decode sits beside prefill (PDD.md)")
         _require("P-MD" in self.policy.pipelines or "P-RLD-MD" in self.policy.pipelines,
                  "policy.pipelines must include P-MD or P-RLD-MD: ordinary traffic must end at main decode")
+        _require(is_loopback(self.flight.bind_host) or self.flight.tls_cert is not None or self.server.allow_insecure,
+                 f"flight.bind_host {self.flight.bind_host!r} takes KV from beyond this machine in plaintext: set "
+                 "flight.tls_cert, flight.tls_key and flight.tls_root_cert (cluster_configs/README.md makes them), "
+                 "or server.allow_insecure: true on a network you trust")
 
     @property
     def uses_relay(self) -> bool:
         return any(p in self.policy.pipelines for p in ("P-RLD-MD", "P-RLD"))
+
+
+def is_loopback(host: str | None) -> bool:
+    """Whether a bind address is reachable only from this machine (None: Serve's default, 127.0.0.1)."""
+    import ipaddress
+
+    if host is None or host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a hostname: assume it resolves beyond loopback
+
+
+def check_http_bind(http_host: str | None, server: ServerConfig) -> None:
+    """The Router's HTTP bind (`http_options.host`, outside `args`): beyond loopback it needs API
+    keys unless the graph says `server.allow_insecure: true`. Run where the whole YAML is seen."""
+    _require(is_loopback(http_host) or bool(server.api_keys) or server.api_keys_file is not None
+             or server.allow_insecure,
+             f"http_options.host {http_host!r} serves the API beyond this machine with no API key: set "
+             "server.api_keys_file (or server.api_keys), or server.allow_insecure: true on a network you trust")
 
 
 _SECTIONS = {"model": ModelConfig, "link": LinkConfig, "policy": PolicyConfig, "sites": SiteConfig,
@@ -264,6 +302,11 @@ def load_graph_yaml(path: str | Path, app_index: int = 0) -> PDDConfig:
     except (TypeError, KeyError, IndexError):
         raise ConfigError(f"{path}: expected `applications: [ {{import_path, args}} ]`") from None
     try:
-        return load_config(app.get("args") or {})
+        cfg = load_config(app.get("args") or {})
     except ConfigError as e:
         raise ConfigError(f"{path}: applications[{app_index}].args: {e}") from None
+    try:
+        check_http_bind((doc.get("http_options") or {}).get("host"), cfg.server)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    return cfg

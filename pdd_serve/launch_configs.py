@@ -39,7 +39,7 @@ from typing import Any
 
 import yaml
 
-from pdd_serve.config import ConfigError, PDDConfig, load_config
+from pdd_serve.config import ConfigError, PDDConfig, check_http_bind, load_config
 
 SITE_LABEL = "pdd.site"
 SERVE_DEFAULT_NUM_CPUS = 1.0  # what Serve gives a replica whose ray_actor_options lack num_cpus
@@ -328,6 +328,10 @@ def graph_demands(graph_path: str | Path) -> tuple[PDDConfig, list[Demand]]:
         cfg = load_config(app.get("args") or {})
     except ConfigError as e:
         raise LaunchConfigError(gp, f"{pre}.args", str(e)) from None
+    try:  # the HTTP bind is outside `args`: checked here, where the whole Serve config is seen
+        check_http_bind((doc.get("http_options") or {}).get("host"), cfg.server)
+    except ConfigError as e:
+        raise LaunchConfigError(gp, "http_options.host", str(e)) from None
     s = cfg.sites
     # what build_app builds: name -> (role, replicas, num_cpus)
     built: dict[str, tuple[str, int, float]] = {"Router": ("router", 1, ROUTER_NUM_CPUS),

@@ -200,6 +200,35 @@ def test_broken_graph_names_graph_file_and_field(tmp_path: Path, mutate: Callabl
     assert msg.startswith(f"{g}: "), msg
 
 
+@pytest.mark.parametrize("src", ["aws-pdd.yaml", "gcp-pdd.yaml", "onprem-pdd.yaml"])
+def test_shipped_cluster_graphs_are_secure(src: str) -> None:
+    """HTTP on 0.0.0.0 takes API keys (from a file on the head), Flight on 0.0.0.0 speaks TLS, and
+    nothing says allow_insecure or exposes cache hits."""
+    cfg = load_graph_yaml(CONFIGS / "graphs" / src)
+    assert yaml.safe_load((CONFIGS / "graphs" / src).read_text())["http_options"]["host"] == "0.0.0.0"
+    assert cfg.server.api_keys_file and not cfg.server.allow_insecure and not cfg.server.expose_cache_hits
+    assert cfg.flight.tls_cert and cfg.flight.tls_key and cfg.flight.tls_root_cert
+
+
+@pytest.mark.parametrize(("mutate", "pattern"), [
+    (lambda a: a["args"]["server"].pop("api_keys_file"),
+     r"http_options\.host '0\.0\.0\.0' serves the API beyond this machine with no API key"),
+    (lambda a: [a["args"]["flight"].pop(k) for k in ("tls_cert", "tls_key")],
+     r"flight\.bind_host '0\.0\.0\.0' takes KV from beyond this machine in plaintext"),
+], ids=["http-without-keys", "flight-without-tls"])
+def test_an_open_graph_is_refused_at_load_unless_it_says_allow_insecure(tmp_path: Path, mutate: Callable,
+                                                                       pattern: str) -> None:
+    from pdd_serve.config import ConfigError
+
+    g = _graph(tmp_path, "aws-pdd.yaml", mutate)
+    with pytest.raises(ConfigError, match=pattern):
+        load_graph_yaml(g)
+    _fails(_broken(tmp_path, "aws-two-site.yaml", lambda d: None), pattern, graph=g)  # the launcher's check too
+    g = _graph(tmp_path, "aws-pdd.yaml", lambda a: (mutate(a), a["args"]["server"].update({"allow_insecure": True})))
+    load_graph_yaml(g)  # said explicitly: accepted
+    graph_demands(g)
+
+
 def test_graph_demands_follow_build_app_defaults() -> None:
     """Without YAML overrides a deployment asks what build_app gives it (sites.cpus_per_replica)."""
     cfg, demands = graph_demands(ROOT / "graphs" / "pdd.yaml")

@@ -236,3 +236,55 @@ def test_ipc_fuzz_only_typed_errors(data: st.DataObject) -> None:
     except CodecError:
         return
     out.verify()
+
+
+# ---------------------------------------------------------------- authenticity (the MAC)
+
+KEY = "graph-secret"
+
+
+def _with_column(batch: pa.RecordBatch, name: str, values: pa.Array) -> pa.RecordBatch:
+    cols = [values if f.name == name else batch.column(f.name) for f in batch.schema]
+    return pa.RecordBatch.from_arrays(cols, schema=batch.schema)
+
+
+def test_mac_authenticates_what_md_caches() -> None:
+    """A holder of the Flight token without the graph's key can't write KV that verifies: not
+    with its own key, not unkeyed, and not by editing a real batch's request id, hashes or CRCs."""
+    kv = make_blocks(LAYOUT, 6, start=3, partial=1)
+    good = encode("r", kv, mac_key=KEY)
+    assert_same(decode(good, LAYOUT, "r", 3, mac_key=KEY), kv)
+    assert_same(decode(good, LAYOUT, "r", 3, mac_key=KEY.encode()), kv)  # str and bytes keys agree
+    forged = [encode("r", kv), encode("r", kv, mac_key="guessed")]
+    n = kv.num_blocks
+    hashes = list(kv.hashes)
+    hashes[2] ^= 1  # file these bytes under another prefix
+    forged.append(_with_column(good, "block_hash", pa.array(np.asarray(hashes, dtype=np.uint64))))
+    crcs = list(kv.checksums)
+    crcs[0] ^= 1
+    forged.append(_with_column(good, "checksum", pa.array(np.asarray(crcs, dtype=np.uint32))))
+    forged.append(_with_column(good, "request_id", pa.array(["s"] * n)))
+    forged.append(_with_column(good, "block_index", pa.array(np.arange(4, 4 + n, dtype=np.int64))))
+    for i, b in enumerate(forged):
+        with pytest.raises(codec.MacMismatch, match="MAC does not verify"):
+            decode(b, LAYOUT, mac_key=KEY, verify=False)
+        assert isinstance(codec.MacMismatch("x"), CodecError), i
+    with pytest.raises(codec.MacMismatch):
+        full = make_blocks(LAYOUT, 6)  # one stream: a good batch, then one under another key
+        decode_ipc(to_ipc([encode("r", full.slice(0, 4), KEY), encode("r", full.slice(4, 6), "other")]), LAYOUT,
+                   "r", mac_key=KEY)
+    # a keyless receiver (a unit test, a benchmark) still takes any well-formed batch
+    assert_same(decode(forged[0], LAYOUT, "r"), kv)
+
+
+def test_mac_covers_the_checksums_that_cover_the_bytes() -> None:
+    """Edited bytes whose CRC is updated to match fail the MAC; with the old CRC, the checksum."""
+    kv = make_blocks(LAYOUT, 2)
+    good = encode("r", kv, mac_key=KEY)
+    data = kv.data.copy()
+    data[1].flat[0] += 1.0
+    evil = KVBlocks(LAYOUT, 0, data, kv.hashes, num_tokens=kv.num_tokens)  # fresh, matching CRCs
+    with pytest.raises(codec.MacMismatch):
+        decode(_with_column(encode("r", evil), "mac", good.column("mac")), LAYOUT, mac_key=KEY)
+    with pytest.raises(ChecksumMismatch):
+        decode(_with_column(good, "data", encode("r", evil).column("data")), LAYOUT, mac_key=KEY)

@@ -382,3 +382,19 @@ def test_expect_is_idempotent_and_checked(server: KVFlightServer) -> None:
         server.expect("", 1)
     assert np.all(server.missing("e") == [(1, 4)])
     assert kv_schema(LAYOUT) == server.schema
+
+
+def test_a_batch_without_the_graph_mac_is_refused_and_nothing_is_stored() -> None:
+    kv = make_blocks(LAYOUT, 8)
+    with KVFlightServer("127.0.0.1", layout=LAYOUT, token=TOKEN, mac_key="graph-key") as srv:
+        for bad_key in (None, "another-graph"):
+            srv.expect("r", 8, num_tokens=kv.num_tokens, hashes=kv.hashes)
+            with pytest.raises(RejectedError, match="MAC does not verify") as ei:
+                KVFlightClient(srv.location, TOKEN, layout=LAYOUT, mac_key=bad_key, deadline_s=10).push("r", [kv])
+            assert ei.value.code == "mac"
+            t = srv._transfers["r"]
+            assert t.batches_rejected >= 1 and t.blocks_received == 0 and not t.runs  # nothing stored
+            srv.release("r")
+        srv.expect("r", 8, num_tokens=kv.num_tokens, hashes=kv.hashes)
+        KVFlightClient(srv.location, TOKEN, layout=LAYOUT, mac_key="graph-key", deadline_s=10).push("r", [kv])
+        assert_same(srv.wait_complete_sync("r", 5).blocks, kv)

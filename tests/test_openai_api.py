@@ -20,9 +20,11 @@ from pdd_serve.serve.openai_api import (
     check_api_key,
     completion_chunk,
     completion_response,
+    internal_error,
     models_response,
     new_request_id,
     parse_request,
+    pdd_facts,
     sse,
     usage_chunk,
 )
@@ -353,6 +355,62 @@ def test_api_key() -> None:
         e = ei.value
         assert (e.status, e.type) == (401, "authentication_error")
         assert "Authorization: Bearer" in e.message
+
+
+def test_api_keys_file_and_admin_keys(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("# one a line\nsk-file-1\n\n  sk-file-2  \n")
+    cfg = ServerConfig(api_keys_file=str(keys), admin_api_keys=("sk-admin",))
+    for k in ("sk-file-1", "sk-file-2", "sk-admin"):  # an admin key is an API key too
+        check_api_key({"Authorization": f"Bearer {k}"}, cfg)
+    with pytest.raises(APIError) as ei:
+        check_api_key({"Authorization": "Bearer # one a line"}, cfg)
+    assert ei.value.status == 401
+    keys.write_text("sk-rotated\n")  # read again when the file changes: rotation needs no redeploy
+    check_api_key({"Authorization": "Bearer sk-rotated"}, cfg)
+    keys.unlink()  # a graph that names a key file never serves without it
+    with pytest.raises(APIError) as ei:
+        check_api_key({"Authorization": "Bearer sk-rotated"}, cfg)
+    assert ei.value.status == 503 and str(keys) not in ei.value.message
+
+
+def test_cache_hit_facts_only_for_admins_or_when_the_graph_exposes_them(tok: Any) -> None:
+    """Hit rates (and wan_bytes, the KV MD lacked) let any client probe another tenant's cached
+    prefix; routing facts and timings stay."""
+    info = {"pipeline": "P-MD", "handoff_mode": "none", "eager_tokens": 0, "md_tokens": 5, "ttft_s": 0.2,
+            "kv_ready_s": 0.1, "fallbacks": [], "prefix_hit_p": 0.5, "prefix_hit_md": 0.9375, "wan_bytes": 4096}
+    admin = ServerConfig(model_name=MODEL, max_tokens_limit=200, admin_api_keys=("sk-admin",))
+    shown = {"pipeline", "handoff_mode", "eager_tokens", "md_tokens", "ttft_s", "kv_ready_s", "fallbacks"}
+    for cfg, headers, full in [
+        (CFG, {}, False),  # the default: hidden
+        (admin, {}, False),
+        (admin, {"Authorization": "Bearer sk-other"}, False),
+        (admin, {"Authorization": "Bearer sk-admin"}, True),
+        (dataclasses.replace(CFG, expose_cache_hits=True), {}, True),
+    ]:
+        creq = parse_request(body(prompt="hi"), "completion", cfg, tok, MAX_LEN, False, headers=headers)
+        out = pdd_facts(info, creq)
+        assert set(out) == (set(info) if full else shown), (cfg, headers)
+        assert all(out[k] == info[k] for k in out)
+
+
+def test_internal_errors_are_generic_with_a_request_id() -> None:
+    from ray.exceptions import RayTaskError
+
+    from pdd_serve.engine.sampling import RequestError
+
+    secret = "connect to grpc://10.1.2.3:41000 failed: token=abc /home/pdd/.pdd/launch/tls/md.key"
+    for e in (RuntimeError(secret), RayTaskError("prefill", f"Traceback ... {secret}", OSError(secret))):
+        err = internal_error(e, "cmpl-123-abcdef")
+        assert (err.status, err.type) == (500, "server_error")
+        text = json.dumps(err.body())
+        assert "cmpl-123-abcdef" in text and "10.1.2.3" not in text and "token" not in text
+        assert "RuntimeError" not in text and "OSError" not in text
+    # a request the client can fix says why, even when it comes wrapped from a replica
+    bad = RequestError("prompt (500 tokens) + max_tokens (40) exceeds the model's context of 512 tokens")
+    for e in (bad, RayTaskError("prefill", "Traceback (most recent call last): ...", bad).as_instanceof_cause()):
+        err = internal_error(e, "cmpl-1")
+        assert (err.status, err.message) == (400, str(bad))
 
 
 # ---------------------------------------------------------------- detokenizer

@@ -29,6 +29,8 @@ def build_app(args: dict[str, Any] | PDDConfig | None = None) -> Application:
     cfg = load_config(args)
     if cfg.flight.token is None:  # one random Flight token per deployed graph, shared by P and MD
         cfg = dataclasses.replace(cfg, flight=dataclasses.replace(cfg.flight, token=secrets.token_urlsafe(24)))
+    if cfg.flight.mac_key is None:  # one random KV MAC key per deployed graph: only P and MD hold it
+        cfg = dataclasses.replace(cfg, flight=dataclasses.replace(cfg.flight, mac_key=secrets.token_urlsafe(32)))
     s = cfg.sites
     prefill = Prefill.options(num_replicas=s.prefill_replicas, ray_actor_options=actor_options(cfg, s.prefill)).bind(cfg)
     relay = None

@@ -232,7 +232,8 @@ class MainDecode:
         fl = self.cfg.flight
         return KVFlightServer(fl.bind_host, fl.port, layout=self.engine.layout, token=fl.token,
                               tls_cert=fl.tls_cert, tls_key=fl.tls_key, advertise_host=fl.advertise_host,
-                              max_bytes_per_request=fl.max_bytes_per_request, max_bytes_total=fl.max_bytes_total)
+                              max_bytes_per_request=fl.max_bytes_per_request, max_bytes_total=fl.max_bytes_total,
+                              mac_key=fl.mac_key)
 
     def _seq(self, request_id: str) -> Sequence:
         seq = self.seqs.get(request_id)

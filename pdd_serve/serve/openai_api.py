@@ -7,15 +7,20 @@ edge case is unit-testable without Ray or an HTTP server. Any client mistake sur
 
 from __future__ import annotations
 
+import functools
 import hmac
 import json
+import logging
 import math
+import os
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pdd_serve.config import PIPELINES, ServerConfig
+
+logger = logging.getLogger("pdd_serve")
 
 KINDS = ("completion", "chat")
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -75,6 +80,7 @@ class CompletionRequest:
     pdd_override: dict[str, str] | None = None  # validated {pipeline?, handoff_mode?}
     user: str | None = None
     return_token_ids: bool = False  # vLLM's extension: choices carry the output token ids
+    reveal_cache_hits: bool = False  # the `pdd` object may carry cache-hit facts (pdd_facts)
 
 
 # ---------------------------------------------------------------- parsing
@@ -397,8 +403,9 @@ def _max_tokens(body: Mapping[str, Any], kind: str, cfg: ServerConfig, prompt_le
 
 
 def parse_request(raw: bytes, kind: str, cfg: ServerConfig, tokenizer: Any, max_model_len: int,
-                  allow_overrides: bool) -> CompletionRequest:
-    """Validate one /v1/completions (kind "completion") or /v1/chat/completions ("chat") body."""
+                  allow_overrides: bool, headers: Mapping[str, str] | None = None) -> CompletionRequest:
+    """Validate one /v1/completions (kind "completion") or /v1/chat/completions ("chat") body.
+    `headers` tell who asks (an admin key may see cache-hit facts)."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")  # a caller bug, not a client's
     body = _load_object(raw, cfg)
@@ -446,6 +453,7 @@ def parse_request(raw: bytes, kind: str, cfg: ServerConfig, tokenizer: Any, max_
         top_p=top_p, top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids, stream=stream,
         include_usage=include_usage, ignore_eos=ignore_eos, pdd_override=override, user=user,
         return_token_ids=return_token_ids,
+        reveal_cache_hits=cfg.expose_cache_hits or is_admin(headers or {}, cfg),
     )
 
 
@@ -453,20 +461,81 @@ def parse_request(raw: bytes, kind: str, cfg: ServerConfig, tokenizer: Any, max_
 
 
 def check_api_key(headers: Mapping[str, str], cfg: ServerConfig) -> None:
-    """Require `Authorization: Bearer <key>` with one of cfg.api_keys (when any are configured)."""
-    if not cfg.api_keys:
+    """Require `Authorization: Bearer <key>` with one of the API keys (cfg.api_keys, the lines of
+    cfg.api_keys_file, or an admin key) when any are configured."""
+    keys = _api_keys(cfg)
+    if not keys:
         return
+    if not _bearer_matches(headers, keys + cfg.admin_api_keys):
+        raise APIError(401, "authentication_error",
+                       "Missing or invalid API key. Pass it as the header `Authorization: Bearer <key>` "
+                       "(OpenAI SDKs: api_key=<key> or $OPENAI_API_KEY).", code="invalid_api_key")
+
+
+def is_admin(headers: Mapping[str, str], cfg: ServerConfig) -> bool:
+    return bool(cfg.admin_api_keys) and _bearer_matches(headers, cfg.admin_api_keys)
+
+
+def _bearer_matches(headers: Mapping[str, str], keys: Sequence[str]) -> bool:
     # Plain dicts are case-sensitive; HTTP header names are not.
     value = next((v for k, v in headers.items() if k.lower() == "authorization"), None)
     scheme, _, token = (value or "").strip().partition(" ")
     given = token.strip().encode("utf-8", "surrogatepass")
     ok = False
-    for key in cfg.api_keys:  # no early exit: timing must not reveal which key (or prefix) matched
+    for key in keys:  # no early exit: timing must not reveal which key (or prefix) matched
         ok |= hmac.compare_digest(given, key.encode("utf-8", "surrogatepass"))
-    if not (scheme.lower() == "bearer" and ok):
-        raise APIError(401, "authentication_error",
-                       "Missing or invalid API key. Pass it as the header `Authorization: Bearer <key>` "
-                       "(OpenAI SDKs: api_key=<key> or $OPENAI_API_KEY).", code="invalid_api_key")
+    return scheme.lower() == "bearer" and ok
+
+
+def _api_keys(cfg: ServerConfig) -> tuple[str, ...]:
+    if cfg.api_keys_file is None:
+        return cfg.api_keys
+    try:  # stat per request, read on change: keys rotate without a redeploy
+        st = os.stat(cfg.api_keys_file)
+        return cfg.api_keys + _read_keys(cfg.api_keys_file, st.st_mtime_ns, st.st_size)
+    except OSError as e:  # fail closed: a graph that names a key file never serves without it
+        logger.error("server.api_keys_file %s can't be read: %s", cfg.api_keys_file, e)
+        raise APIError(503, "server_error", "The server's API keys are unavailable; try again later.",
+                       retry_after=5.0) from None
+
+
+@functools.lru_cache(maxsize=4)
+def _read_keys(path: str, mtime_ns: int, size: int) -> tuple[str, ...]:
+    with open(path, encoding="utf-8") as f:
+        keys = tuple(line.strip() for line in f if line.strip() and not line.lstrip().startswith("#"))
+    if not keys:
+        raise OSError(f"{path} holds no key")
+    return keys
+
+
+# ---------------------------------------------------------------- what a response may reveal
+
+# The `pdd` facts that tell what a cache holds: with them any client could probe, block by block,
+# whether another tenant's prompt prefix is cached. wan_bytes is one of them: it is the KV that
+# MD lacked. Routing facts (pipeline, handoff, timings) stay.
+CACHE_HIT_FIELDS = ("prefix_hit_p", "prefix_hit_md", "wan_bytes")
+
+
+def pdd_facts(info: Mapping[str, Any], creq: CompletionRequest) -> dict[str, Any]:
+    """The response's `pdd` object: cache-hit fields only for a request that may see them
+    (`creq.reveal_cache_hits`: the graph's `server.expose_cache_hits`, or an admin key)."""
+    if creq.reveal_cache_hits:
+        return dict(info)
+    return {k: v for k, v in info.items() if k not in CACHE_HIT_FIELDS}
+
+
+def internal_error(e: BaseException, request_id: str) -> APIError:
+    """What a client sees of a failure: a request it may fix (a RequestError, whose message is
+    written for clients) as a 400; anything else as a generic 500 naming the request id, with the
+    detail in the server log only (the caller logs it; exception text can carry paths, addresses,
+    peers' messages)."""
+    from pdd_serve.engine.sampling import RequestError
+
+    cause = getattr(e, "cause", None) or e  # Ray wraps a replica's exception (its str is a traceback)
+    if isinstance(cause, RequestError):
+        return APIError(400, "invalid_request_error", str(cause))
+    return APIError(500, "server_error", f"The server failed to generate a response (request id {request_id}); "
+                    "retry, and quote the id if it persists.", code="internal_error")
 
 
 # ---------------------------------------------------------------- detokenization

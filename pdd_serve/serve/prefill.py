@@ -132,7 +132,8 @@ class Prefill:
                 alone, started = self.sending == 1, self.transfers["started"]
             try:
                 client = KVFlightClient(feed.target.flight_location, fl.token, layout=self.engine.layout,
-                                        tls_root_cert=fl.tls_root_cert, batch_blocks=fl.batch_blocks,
+                                        tls_root_cert=fl.tls_root_cert, override_hostname=fl.tls_server_name,
+                                        mac_key=fl.mac_key, batch_blocks=fl.batch_blocks,
                                         deadline_s=fl.deadline_s, link=self.link if self.link.config.paced else None)
                 stats = client.push(request_id, iter(feed))
                 alone = alone and self.transfers["started"] == started  # none began meanwhile

@@ -151,7 +151,7 @@ class Router:
         try:
             raw = await request.body()
             creq = oai.parse_request(raw, kind, self.cfg.server, self.tokenizer, self.max_model_len,
-                                     self.cfg.policy.allow_overrides)
+                                     self.cfg.policy.allow_overrides, headers=request.headers)
             forced = (creq.pdd_override or {}).get("pipeline")
             if forced is not None and forced not in self.cfg.policy.pipelines:
                 raise oai.APIError(400, "invalid_request_error", f"pipeline {forced} is not enabled in this graph "
@@ -206,11 +206,11 @@ class Router:
                     ids.append(tok)
         except Exception as e:
             logger.exception("request %s failed", st.gen.request_id)
-            err = oai.APIError(500, "server_error", f"generation failed: {type(e).__name__}: {e}")
+            err = oai.internal_error(e, st.gen.request_id)  # no exception text to the client
             return JSONResponse(err.body(), status_code=err.status)
         body = oai.completion_response(rid, self.created, creq.model, creq.kind, "".join(parts),
                                        st.finish_reason or "stop", len(creq.prompt_token_ids), len(st.committed),
-                                       extra={"pdd": st.info.as_dict()})
+                                       extra={"pdd": oai.pdd_facts(st.info.as_dict(), creq)})
         if creq.return_token_ids:
             body["choices"][0]["token_ids"] = ids
         return JSONResponse(body)
@@ -229,7 +229,7 @@ class Router:
                     yield oai.sse(chunk)
                     first = False
             last = oai.completion_chunk(rid, self.created, creq.model, creq.kind, "", st.finish_reason or "stop",
-                                        extra={"pdd": st.info.as_dict()}, first=first)
+                                        extra={"pdd": oai.pdd_facts(st.info.as_dict(), creq)}, first=first)
             if creq.return_token_ids:
                 last["choices"][0]["token_ids"] = pending
             yield oai.sse(last)
@@ -238,5 +238,5 @@ class Router:
                                               len(st.committed)))
         except Exception as e:  # headers are sent: report in-band, OpenAI style
             logger.exception("stream %s failed", st.gen.request_id)
-            yield oai.sse(oai.APIError(500, "server_error", f"generation failed: {type(e).__name__}: {e}").body())
+            yield oai.sse(oai.internal_error(e, st.gen.request_id).body())  # no exception text to the client
         yield oai.SSE_DONE

@@ -39,6 +39,7 @@ from pdd_serve.transport.codec import (
     ChecksumMismatch,
     CodecError,
     LayoutMismatch,
+    MacMismatch,
     RequestMismatch,
     SchemaMismatch,
     check_schema,
@@ -109,7 +110,7 @@ def _fail(code: str, msg: str) -> Exception:
 
 def _codec_code(e: CodecError) -> str:
     for cls, code in ((ChecksumMismatch, "checksum"), (RequestMismatch, "request_mismatch"),
-                      (LayoutMismatch, "layout"), (SchemaMismatch, "schema")):
+                      (LayoutMismatch, "layout"), (SchemaMismatch, "schema"), (MacMismatch, "mac")):
         if isinstance(e, cls):
             return code
     return "malformed"
@@ -297,9 +298,11 @@ class KVFlightServer:
         max_bytes_total: int = 4 << 30,
         advertise_host: str | None = None,
         verify_checksums: bool = True,
+        mac_key: str | bytes | None = None,  # codec.py: every batch's MAC must verify under it
     ) -> None:
         if not token:
             raise ValueError("a KV Flight server needs a bearer token")
+        self.mac_key = mac_key
         if (tls_cert is None) != (tls_key is None):
             raise ValueError("TLS needs both tls_cert and tls_key")
         if max_bytes_per_request <= 0 or max_bytes_total <= 0:
@@ -510,7 +513,8 @@ class KVFlightServer:
     def _accept(self, t: _Transfer, batch: pa.RecordBatch) -> tuple[int, int]:
         """Verify a whole batch, then store it: a rejected batch changes nothing."""
         try:
-            kv = decode(batch, self.layout, request_id=t.request_id, verify=self.verify_checksums)  # outside any lock
+            kv = decode(batch, self.layout, request_id=t.request_id, verify=self.verify_checksums,
+                        mac_key=self.mac_key)  # outside any lock
         except CodecError as e:
             raise self._reject(t, _codec_code(e), str(e)) from None
         bs = self.layout.block_size
@@ -655,7 +659,9 @@ class KVFlightClient:
         retry_backoff_s: float = 0.05,
         link: LinkModel | None = None,
         estimator: BandwidthEstimator | None = None,
+        mac_key: str | bytes | None = None,  # codec.py: authenticates every batch to the server
     ) -> None:
+        self.mac_key = mac_key
         if batch_blocks <= 0 or parallel_streams <= 0 or window_batches <= 0 or max_retries < 0:
             raise ValueError("batch_blocks, parallel_streams, window_batches must be > 0; max_retries >= 0")
         if deadline_s <= 0:
@@ -801,7 +807,7 @@ class KVFlightClient:
             writer, reader = client.do_put(kv_descriptor(request_id), self.schema, self._options(deadline))
 
             def send(run: KVBlocks) -> None:
-                batch = encode(request_id, run)
+                batch = encode(request_id, run, self.mac_key)
                 unacked.append(run)  # before the write: a write that fails must not lose the run
                 if self.link is not None:
                     self.link.pace_sync(run.nbytes)
