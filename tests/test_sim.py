@@ -347,3 +347,186 @@ def test_validate_replays_repeats_and_sessions() -> None:
     assert wl.requests[1].after == 0 and wl.requests[1].think_s == pytest.approx(0.5)  # sent 0.5 s after the answer
     assert records_to_workload(runs_of(rows)[0], 16, sessions=False).requests[1].after == -1
     assert measured(rows, 1.0, 0.1)["goodput_rps"] == pytest.approx(4 / (2.5 + 2.5))  # sum of the makespans
+
+
+# ---------------------------------------------------------------- the Router's critical path (issue 16)
+
+
+def _one_md(sc, name: str, **pol: Any):
+    """The deployment with one MD (so the view and the DRC of that MD decide) and policy changes."""
+    dep = sc.deployments[name]
+    return dataclasses.replace(dep, main_decode=dataclasses.replace(dep.main_decode, count=1),
+                               policy=dataclasses.replace(dep.policy, **pol))
+
+
+def _session(sim: Simulation, blocks0: int, extra: int, think_s: float) -> tuple[SimRequest, SimRequest]:
+    """Turn 0 (blocks 1..blocks0), then turn 1 extending it by `extra` blocks, sent think_s after."""
+    bs = sim.bs
+    r0 = SimRequest(0, 0.0, blocks0 * bs + 1, 4, tuple(range(1, blocks0 + 1)))
+    r1 = SimRequest(1, 0.0, (blocks0 + extra) * bs + 1, 4, tuple(range(1, blocks0 + extra + 1)))
+    r1.after, r1.think_s = 0, think_s
+    sim.wl.requests[:] = [r0, r1]
+    return r0, r1
+
+
+def test_p_md_first_token_pays_the_decode_call_and_the_chunk_back(tiny) -> None:
+    """P->MD: the Router calls MD's decode after prefill returns (one latency), MD's first chunk
+    crosses back (one latency); a graph whose control messages don't cross pays neither."""
+    ttft = {}
+    for ctl in (True, False):
+        links = {**tiny.links, "wan": dataclasses.replace(tiny.links["wan"], control_latency=ctl)}
+        sc = dataclasses.replace(tiny, links=links)
+        sim = Simulation(sc, _one_md(sc, "pdmd"), Workload([], [], 256))
+        r0, _ = _session(sim, 4, 1, 1.0)
+        sim.wl.requests[:] = [r0]
+        sim.run()
+        assert r0.pipeline == "P-MD" and r0.t_first_decoder >= r0.t_kv_md
+        ttft[ctl] = r0.t_first_decoder - r0.arrival
+        if ctl:
+            assert r0.t_first_decoder - r0.t_prefill_done >= 2 * sim.lat - 1e-9
+    assert ttft[True] - ttft[False] >= 0.9 * Simulation(tiny, tiny.deployments["pdmd"], Workload([], [], 256)).lat
+
+
+def test_stale_view_sends_what_the_view_lacked(tiny) -> None:
+    """The Router plans from its last poll of MD's DRC: a turn sent before the view shows the
+    previous turn's blocks sends the whole prompt (bytes, not tokens); a fresh view sends the delta."""
+    sent = {}
+    for period in (30.0, 0.01):
+        sim = Simulation(tiny, _one_md(tiny, "pdmd", drc_view_period_s=period), Workload([], [], 256))
+        r0, r1 = _session(sim, 6, 1, 0.5)
+        sim.run()
+        assert r1.hit_md == 6 * sim.bs and not r1.index_miss  # MD really held turn 0 both times
+        sent[period] = r1.wan_bytes // sim.block_bytes
+        assert r1.t_done > 0 and r1.fallback == ""
+    assert sent == {30.0: 8, 0.01: 2}  # 8 blocks = the whole prompt; 2 = the new block + the last token's
+
+
+def test_index_miss_resends_the_gap_and_may_switch_to_the_relay_late(tiny) -> None:
+    """MD evicted the session after the Router's last poll: P started from the view's block, MD's
+    prepare reply shows the real (larger) delta, P resends the gap (an index miss), and at the end
+    of prefill the request switches P->MD to P->RLD->MD because the real delta is over budget."""
+    dep = _one_md(tiny, "pdd", drc_view_period_s=0.01)
+    sim = Simulation(tiny, dep, Workload([], [], 256))
+    r0, r1 = _session(sim, 6, 1, 0.5)
+    r1.fixed_hit_p = 0  # P recomputes the whole prompt: its prefill outlasts MD's prepare round trip
+    orig = sim._finish
+
+    def finish_then_evict(r: SimRequest, t: float) -> None:
+        orig(r, t)
+        if r.rid == 0:  # MD loses turn 0 just before turn 1 arrives, after the view last saw it
+            sim.at(t + 0.5 - 0.2 * sim.ctl, lambda: sim.mds[0].cache.clear())
+
+    sim._finish = finish_then_evict  # type: ignore[method-assign]
+    small = policy.choose_pipeline(r1.prompt, 4, 2 * sim.block_bytes, sim.est, 0, dep.policy)
+    whole = policy.choose_pipeline(r1.prompt, 4, 8 * sim.block_bytes, sim.est, 0, dep.policy)
+    assert small.pipeline == "P-MD" and whole.pipeline == "P-RLD-MD"  # the premise of the late switch
+    sim.run()
+    assert r1.index_miss and sim.index_misses == 1 and r1.real_blocks == 0 and r1.planned_blocks == 6
+    assert r1.wan_bytes == 8 * sim.block_bytes  # 2 blocks from the planned start + the 6-block gap
+    assert r1.pipeline == "P-RLD-MD" and r1.reason.startswith("late") and sim.late_switches == 1
+    assert r1.finished == 1 and r1.t_done > r1.t_prefill_done and r1.fallback == ""
+
+
+def test_catchup_passes_the_previous_gap(tiny, monkeypatch) -> None:
+    """Catch-up ends when a round no longer shrinks the gap: the simulator hands catchup_done the
+    previous round's gap, as the orchestrator does."""
+    seen: list[tuple[int, int | None]] = []
+
+    def spy(remaining: int, pol: Any, previous: int | None = None) -> bool:
+        seen.append((remaining, previous))
+        return policy.catchup_done(remaining, pol, previous)
+
+    monkeypatch.setattr(simmod, "catchup_done", spy)
+    dep = tiny.deployments["pdd"]
+    pol = dataclasses.replace(dep.policy, handoff_mode="catch-up", handoff_batch_tokens=1)
+    wl = synthetic(dataclasses.replace(tiny.workload, output_tokens=400, hit_mixture=((1.0, 0.0, 0.2),)),
+                   rate_rps=2, requests=20)
+    reqs = Simulation(tiny, dataclasses.replace(dep, policy=pol), wl).run()
+    assert any(r.handoff_mode == "catch-up" for r in reqs)
+    assert seen and seen[0][1] is None and any(p is not None for _, p in seen)
+    for (rem, prev) in seen:  # a round that did not shrink the gap ended catch-up
+        if prev is not None and rem >= prev:
+            assert policy.catchup_done(rem, pol, prev)
+
+
+def test_naive_baseline_sends_every_prompt_whole(tiny) -> None:
+    """Strong cross-DC PD (DRC, prefix affinity) sends the blocks MD lacks; the naive one the whole
+    prompt. Both P->MD only."""
+    wl = lambda: synthetic(tiny.workload, rate_rps=3, requests=120)  # noqa: E731
+    strong = Simulation(tiny, tiny.deployments["pdmd"], wl()).run()
+    naive_dep = _one_md(tiny, "pdmd", drc=False)
+    naive_dep = dataclasses.replace(naive_dep, main_decode=tiny.deployments["pdmd"].main_decode)
+    naive = Simulation(tiny, naive_dep, wl()).run()
+    bb = 256 * tiny.model.kv_bytes_per_token
+    assert all(r.wan_bytes == -(-r.prompt // 256) * bb for r in naive if r.pipeline == "P-MD")
+    assert sum(r.wan_bytes for r in strong) < 0.6 * sum(r.wan_bytes for r in naive)
+    assert sum(r.hit_md for r in strong) > 0 and all(r.hit_md == 0 for r in naive)
+
+
+def test_plan_for_a_trace_writes_a_servable_graph(tiny, tmp_path: Path, capsys) -> None:
+    """`pdd plan --trace`: the user's trace at its own arrival times, the counts and the pipeline
+    policy searched, a graph YAML pdd_serve's loader accepts, node counts, the BCR plot."""
+    import yaml
+
+    from pdd_serve.cli import main
+    from pdd_serve.config import load_graph_yaml
+
+    trace = tmp_path / "t.jsonl"
+    lines = []
+    for i in range(90):  # 18 sessions x 5 turns over 45 s, each turn extending its session
+        s, turn = i % 18, i // 18
+        ids = [s * 1000 + j for j in range(4 + 2 * turn)]
+        lines.append(json.dumps({"timestamp": 500 * i, "input_length": 256 * len(ids) + 100,
+                                 "output_length": 48, "hash_ids": ids}))
+    trace.write_text("\n".join(lines) + "\n")
+    sc_path = tmp_path / "tiny_trace.yaml"
+    sc_path.write_text(TINY.replace("plan: {target_rps: 3,", "plan: {warmup_s: 5, wan_budgets: [0.05, 1.0],"))
+    out = tmp_path / "plan"
+    rc = main(["plan", "--scenario", str(sc_path), "--trace", str(trace), "--out-dir", str(out), "--no-mlflow",
+               "--no-progress"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    js = json.loads(text.strip().splitlines()[-1])
+    assert js["trace"] == str(trace) and abs(js["target_rps"] - 89 / 44.5) < 1e-3
+    assert "pipeline policy: wan_budget_s" in text and js["policy"]["wan_budget_s"] in (0.05, 0.1, 1.0)
+    best = js["best"]
+    cfg = load_graph_yaml(out / "graph.yaml")  # what `serve run` loads (build_app's config)
+    assert (cfg.sites.prefill_replicas, cfg.sites.relay_replicas, cfg.sites.main_decode_replicas) == (
+        best["site_a"]["prefill"], best["site_a"]["relay"], best["site_b"]["main_decode"])
+    assert cfg.policy.wan_budget_s == js["policy"]["wan_budget_s"]
+    doc = yaml.safe_load((out / "graph.yaml").read_text())
+    app = doc["applications"][0]
+    assert app["import_path"] == "pdd_serve.serve.app:build_app"
+    assert sorted(d["name"] for d in app["deployments"] if d["name"].startswith("MainDecode")) == sorted(
+        f"MainDecode{i}" for i in range(best["site_b"]["main_decode"]))
+    assert (out / "bcr_knobs.png").stat().st_size > 0 and (out / "cluster_nodes.yaml").exists()
+    rows = list(__import__("csv").DictReader((out / "candidates.csv").open()))
+    assert {float(r["wan_budget_s"]) for r in rows} >= {0.05, 1.0}  # the policy was searched too
+    cheapest = min(float(r["cost_per_hour"]) for r in rows if r["feasible"] == "True")
+    assert js["cost_per_hour"] == pytest.approx(cheapest, abs=1e-3)
+
+
+def test_kernel_shaped_wire_caps_the_paced_link() -> None:
+    """`--shaped-link`: the LinkModel's pacing under a tbf wire never gets more than the wire's
+    goodput, and exactly the model's rate where the model offers less; validate's --link swaps
+    every cross-site graph onto it."""
+    from evaluations.sim.validate import with_link
+
+    sc = load_scenario("cpu_validate")
+    paced, shaped = sc.links["wan"].build(2048), sc.links["wan_shaped"].build(2048)
+    cap = 1.6e7 * sc.links["wan_shaped"].wire_goodput / 8
+    e = paced.config.epoch_s
+    below = 0
+    for k in range(40):
+        a, b = k * e, (k + 1) * e
+        got, model = shaped.capacity_bytes(a, b), paced.capacity_bytes(a, b)
+        assert got == pytest.approx(min(model, cap * e), rel=1e-9)
+        below += model < cap * e
+    assert 0 < below < 40  # the lognormal epochs fall on both sides of the wire's rate
+    t = shaped.arrival_end(1.0, 4e6)
+    assert shaped.capacity_bytes(1.0, t) == pytest.approx(4e6, rel=1e-9)
+    sw = with_link(sc, "wan_shaped")
+    assert {n: d.link for n, d in sw.deployments.items()} == {
+        "pd_same_dc": "same_dc", "pd_cross_dc": "wan_shaped", "pd_cross_dc_naive": "wan_shaped", "pdd": "wan_shaped"}
+    with pytest.raises(SimConfigError, match="not a link"):
+        with_link(sc, "nope")

@@ -36,11 +36,17 @@ rld_token_share, ...). Scenarios: evaluations/sim/scenarios/*.yaml; chips: evalu
 
 _PLAN_DESCRIPTION = """\
 Search P / RLD / MD counts and chip assignments (a site-A chip for P and RLD, a site-B chip for
-MD, from the scenario's `plan` section and the chip catalog with prices) for the highest BCR at a
-target load under the scenario's SLA, by simulation. Writes, under --out-dir:
+MD, from the scenario's `plan` section and the chip catalog with prices), then the pipeline policy
+(wan_budget_s, relay pool size), for the highest BCR under the scenario's SLA, by simulation.
+The load: a Mooncake-format trace at its own arrival times (--trace; scenario `mooncake`: the
+report's chips, model, link and SLA) or the scenario's synthetic workload at --target-rps.
+  pdd plan --trace ../shared/traces/mooncake_conversation_trace.jsonl --out-dir DIR
+  pdd plan --trace T.jsonl --catalog evaluations/chips.yaml --site-a h100-sxm,a100-80g --site-b h20,h200
+Writes, under --out-dir:
   graph.yaml          a Serve config in graphs/pdd.yaml's shape with the planned replica counts
   cluster_nodes.yaml  node counts per site and chip (pdd.site labels) for a Ray cluster config
   candidates.csv      every configuration simulated
+  bcr_knobs.png       BCR of every candidate against the knobs (P, RLD, MD counts, wan_budget_s)
 and logs the search to MLflow (one run; embedded default store sqlite:///mlflow.db in the working
 directory unless MLFLOW_TRACKING_URI is set). Ends with one JSON line.
 """
@@ -61,6 +67,13 @@ def _add_simulate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hits", default=None,
                    help="--bathtub's hit rates, comma-separated (a reduced grid; default: the scenario's bathtub.hits)")
     p.add_argument("--horizon", type=float, default=None, help="seconds of arrivals per goodput probe (override)")
+    p.add_argument("--rate-range", default=None, metavar="LO,HI",
+                   help="goodput bisection bracket, req/s (override goodput.lo_rps/hi_rps)")
+    p.add_argument("--iterations", type=int, default=None, help="goodput bisection steps (override)")
+    p.add_argument("--prefill-count", type=int, default=None,
+                   help="P instances of every deployment (e.g. a prefill-bound bathtub: fewer than the load needs)")
+    p.add_argument("--mlflow", action="store_true",
+                   help="log the result (params, JSON, plot) to MLflow, experiment pdd-simulate")
     p.add_argument("--plot", default=None,
                    help="PNG path (default: evaluations/sim/bathtub.png, or bathtub_prefill.png with --tail-curve)")
     p.add_argument("--out", default=None, metavar="JSON", help="also write the full result as JSON here")
@@ -68,7 +81,15 @@ def _add_simulate(p: argparse.ArgumentParser) -> None:
 
 
 def _add_plan(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--scenario", default="report", help="built-in name or YAML path with a `plan` section (default: %(default)s)")
+    p.add_argument("--scenario", default=None,
+                   help="built-in name or YAML path with a `plan` section (default: mooncake with --trace, else report)")
+    p.add_argument("--trace", default=None, metavar="FILE", help="plan for this Mooncake-format trace (JSONL)")
+    p.add_argument("--window", type=float, default=None,
+                   help="replay the trace's first S seconds of arrivals (default: plan.window_s; 0: all of it)")
+    p.add_argument("--catalog", default=None, metavar="YAML",
+                   help="chip catalog with prices (the simulator's format, or evaluations/chips.yaml's)")
+    p.add_argument("--site-a", default=None, help="candidate chips for P and RLD, comma-separated (default: plan.chips_site_a)")
+    p.add_argument("--site-b", default=None, help="candidate chips for MD, comma-separated (default: plan.chips_site_b)")
     p.add_argument("--target-rps", type=float, default=None, help="load to plan for, req/s (default: plan.target_rps)")
     p.add_argument("--pairs", default=None, help="only these chip assignments, e.g. chip-a:chip-b,chip-c:chip-b")
     p.add_argument("--max-steps", type=int, default=None, help="simulations per assignment (default: plan.max_steps)")
@@ -143,6 +164,23 @@ def _run_simulate(args: argparse.Namespace) -> int:
         if d not in sc.deployments:
             raise UsageError(f"pdd simulate: error: --deployments: {d!r} is not in {sc.path} "
                              f"(has {', '.join(sc.deployments)})")
+    if args.rate_range or args.iterations:
+        try:
+            lo, hi = (float(x) for x in args.rate_range.split(",")) if args.rate_range else (
+                sc.goodput.get("lo_rps", 1.0), sc.goodput.get("hi_rps", 20.0))
+        except ValueError:
+            raise UsageError(f"pdd simulate: error: --rate-range takes LO,HI req/s, got {args.rate_range!r}") from None
+        if not (0 < lo < hi) or (args.iterations is not None and args.iterations < 1):
+            raise UsageError("pdd simulate: error: --rate-range needs 0 < LO < HI and --iterations >= 1")
+        it = {"iterations": args.iterations} if args.iterations else {}
+        sc = dataclasses.replace(sc, goodput={**sc.goodput, "lo_rps": lo, "hi_rps": hi, **it},
+                                 bathtub={**sc.bathtub, **it})
+    if args.prefill_count is not None:
+        if args.prefill_count < 1:
+            raise UsageError("pdd simulate: error: --prefill-count must be >= 1")
+        sc = dataclasses.replace(sc, deployments={
+            k: dataclasses.replace(d, prefill=dataclasses.replace(
+                d.prefill, count=args.prefill_count * d.prefill.chips_per_instance)) for k, d in sc.deployments.items()})
     if args.horizon:
         sc = dataclasses.replace(sc, goodput={**sc.goodput, "horizon_s": args.horizon},
                                  bathtub={**sc.bathtub, "horizon_s": args.horizon})
@@ -193,8 +231,9 @@ def _run_simulate(args: argparse.Namespace) -> int:
             curves = {}
             for mode in tails or [sc.scheduler.tail_chunk]:
                 curves[f"tail {mode}"] = run_bathtub(with_tail_mode(sc, mode), progress, hits=hits, deployments=deps)
+            n_p = sc.deployments[(deps or list(sc.deployments))[0]].prefill.instances
             png = plot_bathtub(curves, args.plot or _SIM_DIR / "bathtub.png", f"{sc.name}: benefit vs hit rate "
-                               f"(chunk {sc.scheduler.prefill_chunk_tokens} tokens)")
+                               f"({n_p} P instances, chunk {sc.scheduler.prefill_chunk_tokens} tokens)")
             print(_format_bathtub(curves))
             res = {"curves": curves}
             out = {"scenario": sc.name, "plot": str(png),
@@ -215,8 +254,38 @@ def _run_simulate(args: argparse.Namespace) -> int:
         raise UsageError(f"pdd simulate: error: {e}") from None
     if args.out:
         Path(args.out).write_text(json.dumps(_num(res), indent=1, default=str))
+    if args.mlflow:
+        out["mlflow_run_id"] = _log_simulate(args, sc, out)
     print(_json_line(out))
     return 0
+
+
+def _log_simulate(args: argparse.Namespace, sc: Any, out: dict[str, Any]) -> str:
+    """One MLflow run: the command's knobs as params, the JSON line as an artifact, the plot."""
+    import os
+    import tempfile
+
+    import mlflow
+
+    mlflow.set_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db")
+    mlflow.set_experiment("pdd-simulate")
+    mode = "bathtub" if args.bathtub else "tail-curve" if args.tail_curve else "trace" if args.trace else "report"
+    with mlflow.start_run(run_name=f"{sc.name}-{mode}") as run:
+        mlflow.log_params({"scenario": sc.name, "mode": mode, "tail_chunk": args.tail_chunk or sc.scheduler.tail_chunk,
+                           "prefill_count": args.prefill_count or "scenario", "hits": args.hits or "scenario",
+                           "horizon_s": args.horizon or "scenario", "deployments": args.deployments or "all",
+                           "rate_range": args.rate_range or "scenario", "iterations": args.iterations or "scenario",
+                           "chunk_tokens": sc.scheduler.prefill_chunk_tokens})
+        for k, v in out.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                mlflow.log_metric(k, float(v))
+        with tempfile.TemporaryDirectory() as d:
+            f = Path(d) / "result.json"
+            f.write_text(json.dumps(_num(out), indent=1, default=str))
+            mlflow.log_artifact(str(f))
+        if out.get("plot"):
+            mlflow.log_artifact(str(out["plot"]))
+        return run.info.run_id
 
 
 def _brief(s: dict[str, Any]) -> dict[str, Any]:
@@ -281,10 +350,28 @@ def _run_plan(args: argparse.Namespace) -> int:
         raise UsageError("pdd plan: error: --target-rps must be > 0")
     if args.max_steps is not None and args.max_steps <= 0:
         raise UsageError("pdd plan: error: --max-steps must be > 0")
-    from evaluations.sim.config import SimConfigError
-    from evaluations.sim.planner import cluster_nodes, graph_yaml, log_mlflow, plan
+    if args.trace and not Path(args.trace).is_file():
+        raise UsageError(f"pdd plan: error: --trace {args.trace}: no such file")
+    if args.window is not None and args.window < 0:
+        raise UsageError("pdd plan: error: --window must be >= 0")
+    import dataclasses
 
-    sc = _load(args.scenario)
+    from evaluations.sim.config import SimConfigError, load_chips
+    from evaluations.sim.planner import cluster_nodes, graph_yaml, log_mlflow, plan, plot_knobs
+
+    sc = _load(args.scenario or ("mooncake" if args.trace else "report"))
+    if args.catalog:
+        try:
+            sc = dataclasses.replace(sc, chips={**sc.chips, **load_chips(args.catalog)})
+        except SimConfigError as e:
+            raise UsageError(f"pdd plan: error: --catalog: {e}") from None
+    for opt, key in ((args.site_a, "chips_site_a"), (args.site_b, "chips_site_b")):
+        if opt:
+            chips = [c.strip() for c in opt.split(",") if c.strip()]
+            unknown = [c for c in chips if c not in sc.chips]
+            if unknown:
+                raise UsageError(f"pdd plan: error: unknown chip {unknown[0]!r}; catalog: {', '.join(sc.chips)}")
+            sc = dataclasses.replace(sc, plan={**sc.plan, key: chips})
     pairs = None
     if args.pairs:
         try:
@@ -300,16 +387,19 @@ def _run_plan(args: argparse.Namespace) -> int:
     if not template.is_file():
         raise UsageError(f"pdd plan: error: --template {template}: no such file")
     try:
-        res = plan(sc, args.target_rps, args.max_steps, not args.no_progress, pairs)  # type: ignore[arg-type]
+        res = plan(sc, args.target_rps, args.max_steps, not args.no_progress, pairs,  # type: ignore[arg-type]
+                   args.trace, args.window if args.window != 0 else float("inf"))
     except SimConfigError as e:
         raise UsageError(f"pdd plan: error: {e}") from None
-    print(f"{'chip A':<8}{'chip B':<8}{'P':>4}{'RLD':>5}{'MD':>5}{'cost/h':>9}{'attain':>8}{'TTFT p90':>10}{'TPOT p90':>10}  step")
+    print(f"{'chip A':<10}{'chip B':<10}{'P':>4}{'RLD':>5}{'MD':>5}{'budget':>7}{'cost/h':>9}{'attain':>8}"
+          f"{'BCR':>9}{'TTFT p90':>10}{'TPOT p90':>10}  step")
     for c in res.candidates:
         r = c.row()
-        print(f"{r['chip_a']:<8}{r['chip_b']:<8}{r['n_prefill']:>4}{r['n_relay']:>5}{r['n_main_decode']:>5}"
-              f"{r['cost_per_hour']:>9.2f}{r['attainment']:>8.1%}{r['ttft_p90']:>9.2f}s{r['tpot_p90'] * 1e3:>8.1f}ms"
-              f"  {r['why']}{'' if r['feasible'] else '  (misses SLA)'}")
-    out: dict[str, Any] = {"scenario": sc.name, "target_rps": res.target_rps, "candidates": len(res.candidates)}
+        print(f"{r['chip_a']:<10}{r['chip_b']:<10}{r['n_prefill']:>4}{r['n_relay']:>5}{r['n_main_decode']:>5}"
+              f"{r['wan_budget_s']:>7.2f}{r['cost_per_hour']:>9.2f}{r['attainment']:>8.1%}{r['bcr']:>9.4f}"
+              f"{r['ttft_p90']:>9.2f}s{r['tpot_p90'] * 1e3:>8.1f}ms  {r['why']}{'' if r['feasible'] else '  (misses SLA)'}")
+    out: dict[str, Any] = {"scenario": sc.name, "trace": args.trace, "target_rps": round(res.target_rps, 4),
+                           "candidates": len(res.candidates)}
     if res.best is None:
         print("no configuration met the SLA within --max-steps", file=sys.stderr)
         print(_json_line({**out, "best": None}))
@@ -329,23 +419,31 @@ def _run_plan(args: argparse.Namespace) -> int:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
+    png = plot_knobs(res, od / "bcr_knobs.png")
     b = res.best
-    print(f"\nbest: P {b.counts['prefill']} x {b.chip_a}, RLD {b.counts['relay']} x {b.chip_a}, "
-          f"MD {b.counts['main_decode']} x {b.chip_b}; cost {b.cost:.2f}/h; SLA goodput {res.best_goodput_rps:.2f} req/s; "
-          f"BCR {res.best_bcr:.4f}")
+    pol = yaml.safe_load(g.read_text())["applications"][0]["args"]["policy"]
+    print(f"\nbest (BCR): site a: {b.counts['prefill']} P + {b.counts['relay']} RLD on {b.chip_a}; "
+          f"site b: {b.counts['main_decode']} MD on {b.chip_b}; cost {b.cost:.2f}/h; "
+          f"SLA goodput {res.best_goodput_rps:.2f} req/s; BCR {res.best_bcr:.4f}")
+    print(f"pipeline policy: wan_budget_s {pol['wan_budget_s']:g}, relay pool {b.counts['relay']} "
+          f"(relay_max_running {pol['relay_max_running']}), handoff_token_threshold {pol['handoff_token_threshold']}")
     if res.reference:
         print(f"scenario's {res.reference['name']}: cost {res.reference['cost_per_hour']:.2f}/h, "
               f"goodput {res.reference['goodput_rps']:.2f} req/s, BCR {res.reference['bcr']:.4f}")
     print(f"wrote {g}, {n}, {csv_path}")
     run_id = None
     if not args.no_mlflow:
-        run_id = log_mlflow(sc, res, [g, n, csv_path], args.experiment)
-    out.update({"best": {"chip_a": b.chip_a, "chip_b": b.chip_b, **b.counts}, "cost_per_hour": round(b.cost, 3),
+        run_id = log_mlflow(sc, res, [g, n, csv_path, png], args.experiment)
+    out.update({"best": {"site_a": {"chip": b.chip_a, "prefill": b.counts["prefill"], "relay": b.counts["relay"]},
+                         "site_b": {"chip": b.chip_b, "main_decode": b.counts["main_decode"]}},
+                "policy": {"wan_budget_s": pol["wan_budget_s"], "relay_replicas": b.counts["relay"],
+                           "relay_max_running": pol["relay_max_running"]},
+                "cost_per_hour": round(b.cost, 3),
                 "goodput_rps": round(res.best_goodput_rps, 3), "bcr": round(res.best_bcr, 5),
                 "reference_bcr": round(res.reference.get("bcr", float("nan")), 5) if res.reference else None,
                 "bcr_gain_vs_reference": (round(res.best_bcr / res.reference["bcr"] - 1, 4)
                                           if res.reference and res.reference["bcr"] > 0 else None),
-                "graph_yaml": str(g), "cluster_nodes": str(n), "mlflow_run_id": run_id})
+                "graph_yaml": str(g), "cluster_nodes": str(n), "plot": str(png), "mlflow_run_id": run_id})
     print(_json_line(out))
     return 0
 

@@ -223,6 +223,10 @@ class LinkSpec:
     # emulated WAN on one machine, which delays only the paced KV stream
     control_latency: bool = True
     price_per_hour: float = 0.0
+    # a kernel-shaped wire under the pacer (`pdd cluster up --shaped-link`: tbf at this on-wire
+    # rate, bits/s): streams never get more than its TCP goodput, wire_bps x wire_goodput
+    wire_bps: float | None = None
+    wire_goodput: float = 0.95
 
     def __post_init__(self) -> None:
         try:
@@ -230,14 +234,21 @@ class LinkSpec:
         except ConfigError as e:
             raise SimConfigError(f"preset: {e}") from None
         _check(self.line_gbps is None or _pos(self.line_gbps), "line_gbps", "must be > 0 or null")
+        _check(self.wire_bps is None or _pos(self.wire_bps), "wire_bps", "must be > 0 or null")
+        _check(0 < self.wire_goodput <= 1, "wire_goodput", "must be in (0, 1]")
         _check(self.price_per_hour >= 0, "price_per_hour", "must be >= 0")
 
     @property
     def cross_site(self) -> bool:
         return self.preset != "same_dc"
 
-    def build(self, kv_bytes_per_token: int):  # -> pdd_serve.transport.link.LinkModel
-        return LinkConfig(self.preset, self.scale_to_model, self.overrides).build(kv_bytes_per_token)
+    def build(self, kv_bytes_per_token: int):  # -> pdd_serve.transport.link.LinkModel (or it under a wire)
+        link = LinkConfig(self.preset, self.scale_to_model, self.overrides).build(kv_bytes_per_token)
+        if self.wire_bps is None:
+            return link
+        from evaluations.sim.simulator import WireCap
+
+        return WireCap(link, self.wire_bps * self.wire_goodput / 8)
 
 
 # ---------------------------------------------------------------- deployments
@@ -352,7 +363,22 @@ def load_chips(path: str | Path) -> dict[str, ChipSpec]:
     chips = doc.get("chips")
     if not isinstance(chips, dict) or not chips:
         raise SimConfigError(f"{path}: chips: must map chip names to their specs")
-    return {name: _build(ChipSpec, spec, f"chips.{name}", path, name=name) for name, spec in chips.items()}
+    return {name: _build(ChipSpec, _from_price_catalog(spec), f"chips.{name}", path, name=name)
+            for name, spec in chips.items()}
+
+
+def _from_price_catalog(spec: Any) -> Any:
+    """evaluations/chips.yaml's entries (the BCR price catalog of `pdd compare`: peak_tflops,
+    memory_gb, memory_bw_tbps, interconnect_gbps, price_per_hour) as ChipSpec fields; mfu, mbu
+    and the per-forward overhead keep ChipSpec's defaults."""
+    if not isinstance(spec, dict) or "memory_gb" not in spec:
+        return spec
+    known = {"peak_tflops", "memory_gb", "memory_bw_tbps", "interconnect_gbps", "price_per_hour"}
+    out = {k: v for k, v in spec.items() if k not in known}
+    out.update(peak_tflops=spec.get("peak_tflops"), mem_gb=spec.get("memory_gb"),
+               mem_bw_gb_s=None if spec.get("memory_bw_tbps") is None else spec["memory_bw_tbps"] * 1000,
+               interconnect_gb_s=spec.get("interconnect_gbps"), price_per_hour=spec.get("price_per_hour"))
+    return out
 
 
 def _policy(data: Any, where: str, path: Path) -> PolicyConfig:
@@ -452,7 +478,7 @@ def load_scenario(name_or_path: str | Path) -> Scenario:
         raise SimConfigError(f"{path}: deployments: must map names to deployments")
     deps = {n: build_deployment(n, v, path, chips, links) for n, v in doc["deployments"].items()}
     compare = dict(doc.get("compare") or {})
-    for k in ("subject", "cost_baseline", "latency_baseline"):
+    for k in ("subject", "cost_baseline", "latency_baseline", "naive_baseline"):
         if k in compare and compare[k] not in deps:
             raise SimConfigError(f"{path}: compare.{k}: unknown deployment {compare[k]!r}; defined: {', '.join(deps)}")
     ps = dict(doc.get("price_sensitivity") or {})

@@ -299,6 +299,78 @@ class DecodeInstance:
         self.reserved -= m.ctx + m.finish_step - m.join_step
 
 
+# ---------------------------------------------------------------- the Router's view of an MD's DRC
+
+
+class DRCLog:
+    """When each block entered and left one MD's DRC, so the Router's view of it can be answered
+    as of an earlier time: pdd_serve's MDIndex holds what the MD published at its last poll."""
+
+    def __init__(self, sim: Simulation) -> None:
+        self.sim = sim
+        self.added: dict[int, float] = {}
+        self.evicted: dict[int, float] = {}
+
+    def on_evict(self, block: int) -> None:  # RadixCache's callback (its values are the block ids)
+        self.evicted[block] = self.sim.now
+
+    def held_at(self, cache: RadixCache, blocks: list[int], s: float) -> int:
+        """Leading blocks the cache held at time s (a block evicted and re-added since counts as absent)."""
+        n = 0
+        for b in blocks:
+            a = self.added.get(b)
+            if a is None or a > s:
+                break
+            if b not in cache.nodes and self.evicted.get(b, -INF) <= s:
+                break
+            n += 1
+        return n
+
+
+# ---------------------------------------------------------------- a kernel-shaped wire
+
+
+class WireCap:
+    """The LinkModel's pacing over a kernel-shaped wire (tbf): a stream gets the model's jittered
+    rate, never more than the wire's goodput. Same interface as the LinkModel calls the simulator
+    makes (the model itself is used unchanged underneath)."""
+
+    def __init__(self, link: Any, wire_bytes_s: float) -> None:
+        self.link, self.cap = link, wire_bytes_s
+        self.config = link.config
+        self.bandwidth_bps = link.bandwidth_bps
+
+    def latency_at(self, t: float) -> float:
+        return self.link.latency_at(t)
+
+    def _segments(self, t: float):  # (start, end, bytes/s) per jitter epoch from t on
+        e = self.config.epoch_s
+        while True:
+            end = (math.floor(t / e) + 1) * e
+            yield t, end, min(self.link.capacity_bytes(t, end) / (end - t), self.cap)
+            t = end
+
+    def capacity_bytes(self, t0: float, t1: float) -> float:
+        total = 0.0
+        for a, b, rate in self._segments(t0):
+            if a >= t1:
+                return total
+            total += rate * (min(b, t1) - a)
+        return total
+
+    def arrival_end(self, t: float, nbytes: float) -> float:
+        if nbytes <= 0:
+            return t
+        for a, b, rate in self._segments(t):
+            if rate * (b - a) >= nbytes:
+                return a + nbytes / rate
+            nbytes -= rate * (b - a)
+        raise AssertionError("unreachable")
+
+    def transfer_time(self, nbytes: int, at: float = 0.0) -> float:
+        return self.arrival_end(at + self.latency_at(at), nbytes) - at
+
+
 # ---------------------------------------------------------------- a Prefill replica's pacer
 
 
@@ -374,13 +446,18 @@ class Simulation:
         self.link = ls.build(self.model.kv_bytes_per_token) if self.cross else None
         bw = self.link.bandwidth_bps if self.link is not None else None
         self.lat = self.link.config.one_way_latency_s if self.link is not None else 0.0  # KV's
-        self.ctl = self.lat if ls.control_latency else 0.0  # Router <-> MD messages'
+        self.ctl = self.lat if ls.control_latency else 0.0  # every Router <-> MD message's (crosssite.py)
+        # the Router polls every MD's DRC view each period, a cross-site round trip (watch_views)
+        self.view_cycle = max(self.pol.drc_view_period_s, 2 * self.ctl)
+        self.index_misses = 0
+        self.late_switches = 0
         # the Router's estimate: the nominal line (pdd_serve's router seeds its estimator with it)
         self.est = LinkEstimate(INF if bw is None else bw / 8, self.lat)
         self.line_bps = ls.line_gbps * 1e9 if ls.line_gbps else None
         self.line_free = 0.0
         self.kv_sent: dict[int, float] = {}  # rid -> when its stream's last byte lands (before P is done)
         self.kv_floor: dict[int, float] = {}  # rid -> the earliest its KV can land (P done, stream not)
+        self.kv_wait: dict[int, list[float]] = {}  # rid -> [transfers still crossing, latest landing]
         cache_bytes = sched.prefix_cache_gb * 1e9
 
         def cache() -> RadixCache:
@@ -397,11 +474,15 @@ class Simulation:
             for p in self.ps:  # one pacer (one LinkModel) per Prefill replica, as serve/prefill.py has
                 p.pacer = SharedPacer(self, ls.build(self.model.kv_bytes_per_token))
         self.drc = self.pol.drc
+        self.drc_logs = [DRCLog(self) for _ in range(rm.instances)] if self.drc else []
         self.mds = [DecodeInstance(self, i, "main_decode", dchips[rm.chip], rm.chips_per_instance, sched.decode_max_batch,
-                                   cache() if self.drc else None, cache_bytes) for i in range(rm.instances)]
+                                   RadixCache(self.bs, self.block_bytes, _NO_EVICT, self.drc_logs[i].on_evict)
+                                   if self.drc else None, cache_bytes) for i in range(rm.instances)]
         rr = roles.get("relay")
         self.relays = ([DecodeInstance(self, i, "relay", dchips[rr.chip], rr.chips_per_instance, sched.decode_max_batch)
                         for i in range(rr.instances)] if rr is not None else [])
+        # P->MD requests leave their KV for RLD too, so a stale view can still switch at prefill's end
+        self.late_relay = self.pol.late_relay and "P-RLD-MD" in self.pol.pipelines and bool(self.relays)
         mean_len = sum(r.prompt + r.output for r in wl.requests) / max(1, len(wl.requests))
         self.md_capacity = max(1, min(sched.decode_max_batch, int(self.mds[0].cap_tokens // max(1.0, mean_len))))
         self.relay_running = 0  # the orchestrator's counter: relay streams open
@@ -474,27 +555,51 @@ class Simulation:
         if c.used_bytes + len(blocks) * c.block_bytes > cap * (1 + slack):
             c.evict(int(c.used_bytes + len(blocks) * c.block_bytes - cap * (1 - slack)))
         if len(blocks) * c.block_bytes <= cap * (1 + slack):
-            c.insert(list(blocks), [0] * len(blocks))
+            new = c.insert(list(blocks), list(blocks))
+            if isinstance(inst, DecodeInstance) and self.drc_logs:
+                added = self.drc_logs[inst.idx].added
+                for b, a in zip(blocks, new):
+                    if a:
+                        added[b] = self.now
 
     def _hit_tokens(self, r: SimRequest, k_blocks: int) -> int:
         return min(k_blocks * self.bs, r.prompt - 1)  # the last prompt token is always computed
 
     # ---- the Router's decisions (policy.py) and the pipelines
 
-    def _md_hit_blocks(self, md: DecodeInstance, r: SimRequest) -> int:
+    def _view_time(self, t: float) -> float:
+        """The MD state the Router's view holds at t: polls start every `view_cycle`, each reads
+        MD one latency after it leaves and lands one latency later (before the first reply, the
+        Router's one blocking poll at start-up: the state at 0)."""
+        k = math.floor((t - 2 * self.ctl) / self.view_cycle)
+        return k * self.view_cycle + self.ctl if k >= 0 else 0.0
+
+    def _view_hit(self, i: int, r: SimRequest, s: float) -> int:
+        """Leading prompt blocks MD i held at time s, as its view tells the Router."""
         if r.fixed_hit_md is not None:
             return r.fixed_hit_md // self.bs
-        return md.cache.peek(list(r.blocks)) if md.cache is not None else 0
+        return self.drc_logs[i].held_at(self.mds[i].cache, list(r.blocks), s) if self.drc else 0
+
+    def _line(self) -> LinkEstimate:
+        """The line as the Router sees it: its transfers still crossing share it with a new one."""
+        backlog = tuple(b for p in self.ps if p.pacer is not None for b in p.pacer.backlog() if b > 0)
+        return dataclasses.replace(self.est, backlog=backlog)
 
     def _arrive(self, r: SimRequest) -> None:
+        """The Router decides from its own view (no round trip before prefill, orchestrator.run):
+        MD replica, the block P starts sending from, pipeline; MD's `prepare` runs concurrently
+        and its reply (one round trip later) says what MD really holds."""
         prompt_blocks = blocks_needed(r.prompt, self.bs)
-        statuses = [MDStatus(i, self._md_hit_blocks(md, r), md.assigned, self.md_capacity)
+        adoptable = (r.prompt - 1) // self.bs  # MD computes at least the last prompt token itself
+        s = self._view_time(self.now)
+        statuses = [MDStatus(i, self._view_hit(i, r, s), md.assigned, self.md_capacity)
                     for i, md in enumerate(self.mds)]
-        # the line as the Router sees it: its transfers still crossing share it with this one
-        backlog = tuple(b for p in self.ps if p.pacer is not None for b in p.pacer.backlog() if b > 0)
-        est = dataclasses.replace(self.est, backlog=backlog)
+        est = self._line()
         mdi = pick_md(statuses, prompt_blocks, self.block_bytes, est)
-        missing = max(0, prompt_blocks - statuses[mdi].hit_blocks) * self.block_bytes
+        planned = min(statuses[mdi].hit_blocks, adoptable) if self.drc else 0
+        missing = (prompt_blocks - planned) * self.block_bytes
+        if r.fixed_wan_bytes is not None:  # a record: the bytes it really sent say where P started
+            missing = r.fixed_wan_bytes
         dec = choose_pipeline(r.prompt, r.output, missing, est, self.relay_running, self.pol)
         r.pipeline, r.reason = dec.pipeline, dec.reason
         if dec.pipeline != "P-RLD":
@@ -502,13 +607,17 @@ class Simulation:
             md.assigned += 1
             r.md = mdi
             if r.fixed_hit_md is not None:
-                k = r.fixed_hit_md // self.bs
+                real = min(r.fixed_hit_md // self.bs, adoptable)
             elif md.cache is not None:
-                k = len(md.cache.match_hashes(list(r.blocks)).hashes)
+                real = min(len(md.cache.match_hashes(list(r.blocks)).hashes), adoptable)
             else:
-                k = 0
-            r.hit_md = min(k * self.bs, r.prompt)
-            r.wan_bytes = max(0, prompt_blocks - k) * self.block_bytes
+                real = 0
+            r.planned_blocks, r.real_blocks = planned, real
+            r.hit_md = min(real * self.bs, r.prompt)
+            r.index_miss = real < planned and r.fixed_wan_bytes is None
+            self.index_misses += r.index_miss
+            r.wan_bytes = missing + self._resend_bytes(r)  # from the planned block, plus a resend
+            r.t_prepared = self.now + 2 * self.ctl
         p = self._pick_prefill(r)
         r.p = p.idx
         if r.fixed_hit_p is not None:
@@ -531,20 +640,31 @@ class Simulation:
                 best, best_cost = p, cost
         return best
 
+    def _resend_bytes(self, r: SimRequest) -> int:
+        """The gap between what MD holds and where P started (a stale view): resent once MD's
+        prepare reply is back (orchestrator._settle_prepare). MD holding more costs nothing extra
+        here: those blocks are in `wan_bytes` already."""
+        return max(0, r.planned_blocks - r.real_blocks) * self.block_bytes if r.index_miss else 0
+
     def _kv_arrival(self, r: SimRequest, job: _PJob, p: PrefillInstance) -> float:
         """When the last KV block MD lacks lands at MD. Blocks stream as chunks finish (from the
         first chunk on), the last chunk can't leave before the prefill ends, and the line queues
         transfers (FIFO on its aggregate capacity)."""
         now = self.now
-        nbytes = r.wan_bytes
+        gap = self._resend_bytes(r)
+        nbytes = r.wan_bytes - gap
         last = min(nbytes, self.chunk * self.model.kv_bytes_per_token)
         if self.link is None:
             src, dst = p.chip, self.mds[r.md].chip
-            return max(job.t_first_chunk + kv_copy_time(nbytes, src, dst), now + kv_copy_time(last, src, dst))
+            end = max(job.t_first_chunk + kv_copy_time(nbytes, src, dst), now + kv_copy_time(last, src, dst))
+            return max(end, max(now, r.t_prepared) + kv_copy_time(gap, src, dst)) if gap else end
         start = job.t_first_chunk
         end = max(start + self.link.transfer_time(nbytes, start), now + self.link.transfer_time(last, now))
-        if self.line_bps is not None and nbytes > 0:
-            self.line_free = max(self.line_free, start) + nbytes * 8 / self.line_bps
+        if gap:
+            t = max(now, r.t_prepared)
+            end = max(end, t + self.link.transfer_time(gap, t))
+        if self.line_bps is not None and nbytes + gap > 0:
+            self.line_free = max(self.line_free, start) + (nbytes + gap) * 8 / self.line_bps
             end = max(end, self.line_free + self.lat)
         return end
 
@@ -553,25 +673,55 @@ class Simulation:
         r = job.req
         if p.pacer is None or r.pipeline == "P-RLD":
             return
-        p.pacer.add(r.rid, r.wan_bytes, lambda t: self._stream_done(r, t))
+        p.pacer.add(r.rid, r.wan_bytes - self._resend_bytes(r), lambda t: self._stream_done(r, t))
 
     def _stream_done(self, r: SimRequest, t: float) -> None:
         """The stream's last byte left the pacer at t; it lands a latency later, and not before the
         prefill's last chunk could have crossed."""
         self.kv_sent[r.rid] = t + self.lat
         if r.t_prefill_done >= 0:
-            self.at(max(t + self.lat, self.kv_floor.pop(r.rid)), self._kv_at_md, r)
+            self._kv_part(r, max(t + self.lat, self.kv_floor.pop(r.rid)))
+
+    def _resend(self, r: SimRequest) -> None:
+        """P sends the blocks a stale view left out (its own stream on the replica's pacer)."""
+        self.ps[r.p].pacer.add(-1 - r.rid, self._resend_bytes(r), lambda t: self._kv_part(r, t + self.lat))
+
+    def _kv_part(self, r: SimRequest, t: float) -> None:
+        """One of the request's transfers to MD landed at t; the KV is there when all have."""
+        w = self.kv_wait[r.rid]
+        w[0] -= 1
+        w[1] = max(w[1], t)
+        if w[0] <= 0:
+            del self.kv_wait[r.rid]
+            self.at(w[1], self._kv_at_md, r)
+
+    def _late_relay(self, r: SimRequest) -> None:
+        """At the end of prefill: MD's prepare reply is in and shows a larger delta than the view
+        promised, so P->MD may still switch to P->RLD->MD (the KV is in the object store)."""
+        if not (self.late_relay and r.pipeline == "P-MD" and 0 <= r.t_prepared <= self.now
+                and r.real_blocks < r.planned_blocks):
+            return
+        real = (blocks_needed(r.prompt, self.bs) - r.real_blocks) * self.block_bytes
+        redo = choose_pipeline(r.prompt, r.output, real, self._line(), self.relay_running, self.pol)
+        if redo.pipeline == "P-RLD-MD":
+            r.pipeline, r.reason = redo.pipeline, f"late (the view was stale): {redo.reason}"
+            self.late_switches += 1
 
     def _prefill_done(self, job: _PJob, p: PrefillInstance) -> None:
         r, now = job.req, self.now
         r.t_prefill_done = r.t_first_prefill = now
         self._cache_insert(p, r.blocks)
+        self._late_relay(r)
         if r.pipeline != "P-RLD" and p.pacer is not None:
             assert self.link is not None
-            last = min(r.wan_bytes, self.chunk * self.model.kv_bytes_per_token)
+            gap = self._resend_bytes(r)
+            self.kv_wait[r.rid] = [2 if gap else 1, now]
+            if gap:
+                self.at(max(now, r.t_prepared), self._resend, r)
+            last = min(r.wan_bytes - gap, self.chunk * self.model.kv_bytes_per_token)
             floor = now + self.link.transfer_time(last, now) if last > 0 else now + self.lat
             if r.rid in self.kv_sent:
-                self.at(max(self.kv_sent.pop(r.rid), floor), self._kv_at_md, r)
+                self._kv_part(r, max(self.kv_sent.pop(r.rid), floor))
             else:
                 self.kv_floor[r.rid] = floor
         elif r.pipeline != "P-RLD":
@@ -631,6 +781,11 @@ class Simulation:
     def _extend_cost(self, md: DecodeInstance, tokens: int, ctx: int) -> float:
         return prefill_time(md.chip, self.model, md.n, [(max(1, tokens), ctx)])
 
+    def _absorb(self, r: SimRequest, md_has: int = 0) -> None:
+        """RLD (or P's token) finished it: MD extends over the output so the caches stay aligned."""
+        md = self.mds[r.md]
+        md.op(self._extend_cost(md, r.output - 1 - md_has, r.prompt + md_has), self._md_release, r)
+
     def _kv_at_md(self, r: SimRequest) -> None:
         now = self.now
         r.t_kv_md = now
@@ -638,7 +793,7 @@ class Simulation:
         late = now - r.t_prefill_done > self.pol.kv_wait_timeout_s
         if r.finished:  # P's token ended it, or RLD finished first: MD absorbs so the caches stay aligned
             if r.output > 1 and not late:
-                md.op(self._extend_cost(md, r.output - 1, r.prompt), self._md_release, r)
+                self._absorb(r)
             else:
                 self._md_release(r, cache=not late)
             return
@@ -648,39 +803,56 @@ class Simulation:
                 self._md_release(r, cache=False)
                 self._finish(r, now)
                 return
+            # the Router's decode call (sent when prefill returned) crosses the line; MD extends
+            # over P's token once it also holds the KV, and its first chunk crosses back
             r.md_tokens = 0
-            md.join(self._md_member(r, r.output - 1, r.prompt + 1))
+            m = self._md_member(r, r.output - 1, r.prompt + 1)
+            call = r.t_prefill_done + self.ctl
+            if call > now:
+                self.at(call, md.join, m)
+            else:
+                md.join(m)
             return
         if late:  # P-RLD-MD: RLD finishes the request alone
             r.fallback = "relay finished: KV wait timeout"
             self._md_release(r, cache=False)
             return
+        # the Router's wait_kv (sent when prefill returned) answers across the line
+        self.at(max(now, r.t_prefill_done + self.ctl) + self.ctl, self._kv_known, r)
+
+    def _kv_known(self, r: SimRequest) -> None:
+        """The Router learns MD holds the KV: plan the handoff from what RLD has streamed so far."""
+        if r.finished:
+            self._absorb(r)
+            return
         rm = self.relay_member[r.rid]
-        eager = self.relays[r.relay].tokens_by(rm, now)
+        eager = self.relays[r.relay].tokens_by(rm, self.now)
         r.handoff_mode = plan_handoff(eager, self.relay_running, self.pol)
         if r.handoff_mode == "catch-up":
-            self._catchup_round(r, 0)
+            self._catchup_round(r, 0, None)
         else:
             self._final_handoff(r, 0)
 
-    def _catchup_round(self, r: SimRequest, md_has: int) -> None:
+    def _catchup_round(self, r: SimRequest, md_has: int, gap: int | None) -> None:
+        """One catch-up batch: a round trip to MD carrying every committed token but the last
+        (orchestrator._relay_then_md); it ends when a round no longer shrinks the gap."""
         md = self.mds[r.md]
         if r.finished:  # RLD finished during catch-up: MD absorbs the rest
-            md.op(self._extend_cost(md, r.output - 1 - md_has, r.prompt + md_has), self._md_release, r)
+            self._absorb(r, md_has)
             return
         rm = self.relay_member[r.rid]
         committed = 1 + self.relays[r.relay].tokens_by(rm, self.now)
         pending = committed - md_has
-        if catchup_done(pending, self.pol):
+        if catchup_done(pending, self.pol, gap):
             self._final_handoff(r, md_has)
             return
         send = pending - 1  # the last committed token stays back: the final extend needs its logits
         r.handoff_batches += 1
         cost = self._extend_cost(md, send, r.prompt + md_has)
-        self.at(self.now + self.ctl, md.op, cost, self._catchup_reply, r, md_has + send)
+        self.at(self.now + self.ctl, md.op, cost, self._catchup_reply, r, md_has + send, pending)
 
-    def _catchup_reply(self, r: SimRequest, md_has: int) -> None:
-        self.at(self.now + self.ctl, self._catchup_round, r, md_has)
+    def _catchup_reply(self, r: SimRequest, md_has: int, gap: int) -> None:
+        self.at(self.now + self.ctl, self._catchup_round, r, md_has, gap)
 
     def _final_handoff(self, r: SimRequest, md_has: int) -> None:
         """Cut RLD at what the client has seen; MD extends over the rest and decodes on."""
@@ -693,7 +865,7 @@ class Simulation:
         self._relay_release(r)
         if committed >= r.output:  # RLD produced the last token at this very instant
             self._finish(r, now)
-            md.op(self._extend_cost(md, r.output - 1 - md_has, r.prompt + md_has), self._md_release, r)
+            self._absorb(r, md_has)
             return
         cost = self._extend_cost(md, committed - md_has, r.prompt + md_has)
         self.at(now + self.ctl, md.op, cost, self._md_takeover, r, committed, now)

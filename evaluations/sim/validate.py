@@ -7,8 +7,8 @@
 RECORDS: Parquet / CSV / JSON / JSONL, one row per request, the columns of
 evaluations.loadgen.RequestRecord.as_row() (what `pdd compare` writes to requests.parquet):
   t_send_s (arrival offset, s), prompt_tokens, output_tokens (or max_tokens), ttft_s, tpot_s,
-  error, pdd_pipeline, pdd_prefix_hit_p, pdd_prefix_hit_md, and `graph` when several graphs share
-  the file. The requests are replayed at their arrival times with their measured prefix hits (the
+  error, pdd_pipeline, pdd_prefix_hit_p, pdd_prefix_hit_md, pdd_wan_bytes (optional), and `graph`
+  when several graphs share the file (a `pdd compare` record directory: its requests.parquet). The requests are replayed at their arrival times with their measured prefix hits (the
   hits are replayed, not re-derived: the caches' contents before the run are unknown), through the
   scenario deployment named like the graph, on the `cpu-small` chip fitted from engine timings.
 Prints predicted vs measured TTFT P50/P90 and SLA goodput with relative errors, then one JSON line.
@@ -39,6 +39,8 @@ REQUIRED = ("prompt_tokens", "ttft_s")
 
 def read_records(path: str | Path) -> list[dict[str, Any]]:
     path = Path(path)
+    if path.is_dir():  # a `pdd compare` record directory (.pdd/eval/pdd-compare-*/)
+        path = path / "requests.parquet"
     if not path.is_file():
         raise SimConfigError(f"{path}: no such record file")
     suf = path.suffix.lower()
@@ -112,8 +114,13 @@ def records_to_workload(rows: list[dict[str, Any]], block_size: int, sessions: b
         out = int(_f(r, "output_tokens", default=0) or 0) or int(_f(r, "max_tokens", default=1) or 1)
         hp = _f(r, "pdd_prefix_hit_p", "planned_hit", default=0.0) or 0.0
         hm = _f(r, "pdd_prefix_hit_md", default=hp) or 0.0
+        # the KV bytes P really sent to MD say where the Router's view let it start (a P-RLD row
+        # sent none: its pipeline decision is replayed from the hits)
+        wan = _f(r, "pdd_wan_bytes")
+        sent = int(wan) if wan is not None and r.get("pdd_pipeline") not in (None, "", "P-RLD") else None
         req = SimRequest(rid, arr[i] - t0, prompt, max(1, out), (), "record",
-                         fixed_hit_p=int(round(hp * prompt)), fixed_hit_md=int(round(hm * prompt)))
+                         fixed_hit_p=int(round(hp * prompt)), fixed_hit_md=int(round(hm * prompt)),
+                         fixed_wan_bytes=sent)
         sid = r.get("session_id")
         last = prev.get(str(sid)) if sessions and sid is not None else None
         e2e = _f(last[1], "e2e_s") if last is not None else None
@@ -151,6 +158,17 @@ def measured(rows: list[dict[str, Any]], ttft_s: float, tpot_s: float) -> dict[s
             "ttft_p90": float(np.percentile(ttfts, 90)) if ttfts else math.nan,
             "goodput_rps": good / span if span > 0 else math.nan, "attainment": good / len(rows),
             "tpot_p50": float(np.median(tpots)) if tpots else math.nan, "pipelines": pipes}
+
+
+def with_link(sc: Scenario, link: str) -> Scenario:
+    """Every cross-site deployment on the scenario's link `link` (the same graphs, another wire)."""
+    import dataclasses
+
+    if link not in sc.links:
+        raise SimConfigError(f"--link {link!r}: not a link of {sc.path} (has {', '.join(sc.links)})")
+    deps = {n: dataclasses.replace(d, link=link) if sc.links[d.link].cross_site else d
+            for n, d in sc.deployments.items()}
+    return dataclasses.replace(sc, deployments=deps)
 
 
 def with_link_seed(sc: Scenario, graph: str, seed: int) -> Scenario:
@@ -462,6 +480,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--open-loop", action="store_true",
                     help="replay every request at its recorded send time (default: a session's later turns "
                          "follow the simulated answers, as loadgen sends them)")
+    ap.add_argument("--link", default=None,
+                    help="replay every cross-site graph on this scenario link (e.g. wan_shaped for a "
+                         "`--shaped-link` record; default: each deployment's own)")
     ap.add_argument("--tolerance", type=float, default=0.2, help="relative error flagged (default: %(default)s)")
     ap.add_argument("--calibrate", action="store_true", help="time the CPU engine and fit cpu_small.yaml")
     ap.add_argument("--repeats", type=int, default=5, help="calibration repetitions (default: %(default)s)")
@@ -483,6 +504,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.records:
             ap.error("give a record file (or --calibrate / --make-synthetic)")
         sc = load_scenario(args.scenario)
+        if args.link:
+            sc = with_link(sc, args.link)
         if args.draws < 1:
             raise SimConfigError(f"--draws must be >= 1, got {args.draws}")
         if args.ttft_from:

@@ -30,6 +30,7 @@ class SimRequest:
     kind: str = "normal"  # normal | anomalous | record
     fixed_hit_p: int | None = None  # tokens: replay a measured hit instead of asking the caches
     fixed_hit_md: int | None = None
+    fixed_wan_bytes: int | None = None  # bytes: replay the KV a recorded request really sent to MD
     family: int = -1
     # closed-loop sessions (a recorded run's later turns): sent `think_s` after request `after` ends
     after: int = -1
@@ -45,7 +46,11 @@ class SimRequest:
     relay: int = -1
     hit_p: int = 0
     hit_md: int = 0
-    wan_bytes: int = 0
+    wan_bytes: int = 0  # KV bytes P sent to MD (from the view's planned block, plus any resend)
+    planned_blocks: int = 0  # prompt blocks the Router's view said MD holds (P sends from there)
+    real_blocks: int = 0  # what MD's prepare reply says it holds
+    index_miss: bool = False  # MD held less than the view said: P resent the gap
+    t_prepared: float = -1.0  # MD's prepare reply reaches the Router
     t_prefill_done: float = -1.0
     t_first_prefill: float = -1.0  # P's token reaches the client
     t_first_decoder: float = -1.0  # a decoder starts streaming
