@@ -123,3 +123,37 @@ def test_generate_batch_admits_as_room_frees_and_matches_generate(model_dir):
     eng = Engine.from_pretrained(model_dir, kv_cache_bytes=10 * ref_eng.layout.block_bytes, enable_prefix_cache=False)
     assert eng.generate_batch(prompts, SamplingParams(40)) == refs
     assert eng.preemptions > 0 and eng.pool.num_free == eng.pool.num_blocks
+    # seeded sampling too: a recomputed sequence draws with the same (seed, step) as it would have
+    kw = dict(temperature=0.9, top_p=0.95, seed=7)
+    refs = [ref_eng.generate(p, 40, **kw) for p in prompts]
+    before = eng.preemptions
+    assert eng.generate_batch(prompts, SamplingParams(40, **kw)) == refs
+    assert eng.preemptions > before
+
+
+def test_an_extend_short_of_blocks_preempts_younger_decoders_not_itself(model_dir):
+    """MD's handoff extend for an older request, on a full pool: the younger decoding request is
+    preempted and resumes later; both equal one engine's greedy output."""
+    ref_eng = Engine.from_pretrained(model_dir, enable_prefix_cache=False)
+    old_p, young_p = _prompt(40, 301), _prompt(40, 302)
+    old_ref, young_ref = ref_eng.generate(old_p, 60), ref_eng.generate(young_p, 30)
+    assert len(old_ref) == 60 and len(young_ref) == 30
+    eng = Engine.from_pretrained(model_dir, kv_cache_bytes=7 * ref_eng.layout.block_bytes, enable_prefix_cache=False)
+    old, young = eng.add("old", old_p, SamplingParams(60)), eng.add("young", young_p, SamplingParams(30))
+    eng.prefill(old)
+    eng.prefill(young)
+    for _ in range(4):
+        eng.step([old, young])  # both decode: 3 + 3 blocks of 7
+    # the relay's committed tokens arrive for `old` (80 tokens: 2 more blocks, 1 is free)
+    nxt = eng.extend(old, old_ref[len(old.output_ids):40])
+    assert nxt == old_ref[40] and young.preempted and eng.preemptions == 1
+    with pytest.raises(PoolFullError):  # preempted work goes first
+        eng.add("new", _prompt(5, 303), SamplingParams(4))
+    while not old.finished:
+        eng.step([old, young])
+    eng.release(old)
+    while not young.finished:
+        eng.step([young])
+    assert old.output_ids == old_ref and young.output_ids == young_ref
+    eng.release(young)
+    assert eng.pool.num_free == eng.pool.num_blocks and eng.num_preempted == 0

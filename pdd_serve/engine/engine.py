@@ -87,6 +87,7 @@ class Engine:
         self.stop_ids = frozenset(self.args.eos_token_ids)
         self._arrivals = itertools.count()
         self.num_preempted = 0  # sequences waiting to resume (they go before new admissions)
+        self._decoding: dict[int, Sequence] = {}  # id -> sequence that `step` decodes: preemptible
         self.preemptions = 0  # total, for stats and tests
 
     @classmethod
@@ -167,6 +168,7 @@ class Engine:
             seq.finish_reason = "abort"
 
     def _free_kv(self, seq: Sequence, cache: bool) -> None:
+        self._decoding.pop(id(seq), None)
         if cache and self.cache is not None:
             self._cache_blocks(seq)
         if self.cache is not None and seq.locked_hashes:
@@ -194,7 +196,6 @@ class Engine:
         the token the decode steps it missed would have produced (same logits, same step
         seed), so its stream goes on with nothing lost or repeated."""
         assert seq.preempted and not seq.finished and not seq.block_table
-        seq.preempted, self.num_preempted = False, self.num_preempted - 1
         if self.cache is not None:  # reuse what survived of its blocks (not counted as a request's hit)
             m = self.cache.match(seq.token_ids[:-1], record=False)
             if m.hashes:
@@ -228,10 +229,12 @@ class Engine:
         was_waiting = [s for s in seqs if s.preempted]
         run = self.reserve_decode([s for s in seqs if not s.preempted and not s.finished])
         out = list(zip(run, self.decode_step(run))) if run else []
+        self._decoding.update((id(s), s) for s in run)
         for s in sorted(was_waiting, key=lambda s: s.arrival):  # not those preempted just now: no thrash
             if not self.can_resume(s):
                 break
             out.append((s, self.resume(s)))
+            self._decoding[id(s)] = s
         return out
 
     # ------------------------------------------------------------ compute
@@ -297,12 +300,14 @@ class Engine:
         `end` is the last token (`sample`)."""
         if seq.finished:
             raise RuntimeError(f"request {seq.request_id} is finished ({seq.finish_reason})")
+        if seq.preempted:  # recomputed from its token ids now (`resume`, or an extend that came first)
+            seq.preempted, self.num_preempted = False, self.num_preempted - 1
         start = seq.num_computed
         if not start < end <= len(seq.token_ids):
             raise RuntimeError(f"request {seq.request_id}: nothing to compute in [{start}, {end})")
         if end > self.args.max_position_embeddings:
             raise RequestError(f"request {seq.request_id} exceeds the model's context")
-        self._ensure_blocks(seq, end)
+        self._ensure_blocks(seq, end, preempt=True)
         bs, dev = self.block_size, self.device
         pos = torch.arange(start, end, device=dev)
         table = torch.tensor(seq.block_table[: blocks_needed(end, bs)], dtype=torch.long, device=dev)
@@ -332,12 +337,23 @@ class Engine:
         elif len(seq.token_ids) - seq.prompt_len >= p.max_tokens:
             seq.finish_reason = "length"
 
-    def _ensure_blocks(self, seq: Sequence, num_tokens: int) -> None:
+    def _ensure_blocks(self, seq: Sequence, num_tokens: int, preempt: bool = False) -> None:
+        """Blocks for `num_tokens`: from the free list, then what the prefix cache can evict, then
+        (`preempt`: an extend or import of a request already in flight) by preempting decoding
+        sequences younger than `seq`, youngest first. A new request is the youngest, so it
+        preempts nothing: admission (`add`) is where it waits."""
         need = blocks_needed(num_tokens, self.block_size) - len(seq.block_table)
         if need <= 0:
             return
-        if need > self.pool.num_free and self.cache is not None:
-            self.cache.evict((need - self.pool.num_free) * self.layout.block_bytes)
+        while need > self.pool.num_free:
+            if self.cache is not None:
+                self.cache.evict((need - self.pool.num_free) * self.layout.block_bytes)
+                if need <= self.pool.num_free:
+                    break
+            younger = [s for s in self._decoding.values() if s.arrival > seq.arrival and not s.finished]
+            if not preempt or not younger:
+                break  # allocate raises OutOfBlocksError
+            self.preempt(max(younger, key=lambda s: s.arrival))
         seq.block_table.extend(self.pool.allocate(need))
 
     def _cache_blocks(self, seq: Sequence) -> None:
@@ -382,7 +398,7 @@ class Engine:
             raise KVError(f"{seq.request_id}: received KV blocks do not belong to this request's tokens")
         if verify:
             blocks.verify()
-        self._ensure_blocks(seq, end)
+        self._ensure_blocks(seq, end, preempt=True)
         self.pool.load(seq.block_table[blocks.start_block : blocks.start_block + blocks.num_blocks], blocks)
         seq.num_computed = end
 
