@@ -535,3 +535,35 @@ def test_catchup_ends_once_a_round_no_longer_shrinks_the_gap():
     assert catchup_done(8, pol) and not catchup_done(40, pol)
     assert not catchup_done(20, pol, previous_tokens=40)  # still shrinking: another round
     assert catchup_done(12, pol, previous_tokens=12) and catchup_done(13, pol, previous_tokens=12)
+
+
+def test_an_md_missing_from_the_view_is_asked_first_and_a_dead_one_does_not_age_the_others(model_dir):
+    b = InProcessBackends(model_dir, num_md=2, wan_delay_s=0.05)
+    orch = _orch(b, pipelines=("P-MD",), kv_wait_timeout_s=2.0)
+    real_view = b.md_view
+
+    async def md1_dead(i, known):
+        if i == 1:
+            await asyncio.sleep(10)  # hangs: its poll times out
+        return await real_view(i, known)
+
+    b.md_view = md1_dead
+    prompt = _prompt(50, 46)
+    ref = Engine.from_pretrained(model_dir).generate(prompt, 8)
+
+    async def main():
+        watch = asyncio.ensure_future(orch.watch_views())
+        await asyncio.sleep(0.5)
+        try:
+            assert orch.index.status(0, []).healthy  # MD 0's view stays fresh while MD 1 hangs
+            assert orch.index.flight_location(1) is None
+            # a request placed on MD 1 (no view of it): MD 1 is asked first, one round trip
+            st = RequestState(GenRequest("m1", tuple(prompt), SamplingParams(8)))
+            orch.index.entries.pop(0)  # no view of either MD: the first request asks
+            out = [t async for toks in orch.run(st) for t in toks]
+            return out, st
+        finally:
+            watch.cancel()
+
+    out, st = asyncio.run(main())
+    assert out == ref and st.info.md_replica is not None

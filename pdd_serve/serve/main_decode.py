@@ -107,7 +107,9 @@ class MainDecode:
     async def _receive(self, request_id: str, seq: Sequence) -> KVReady:
         try:
             got = await self.flight.wait_complete(request_id, self.cfg.flight.deadline_s)
-            await self.worker.call(self.engine.import_kv, seq, got.blocks)
+            # joining the received runs copies the whole delta: on the engine thread, not the event
+            # loop; the Flight server verified every block's CRC on arrival, once per hop is enough
+            await self.worker.call(lambda: self.engine.import_kv(seq, got.blocks, verify=not self.flight.verify_checksums))
             return KVReady(True, got.bytes_received, got.seconds)
         except Exception as e:  # a broken transfer is reported, the router falls back
             return KVReady(False, error=f"{type(e).__name__}: {e}")
@@ -148,7 +150,7 @@ class MainDecode:
                             break
                         yield TokenChunk(step.token_ids)
         finally:
-            self._calls[request_id] -= 1
+            self._uncall(request_id)
             await self._drop(request_id, cache=final is not None)
         if final is not None:  # released first: the last chunk leaves nothing behind
             yield final
@@ -193,7 +195,8 @@ class MainDecode:
         e = self.engine
         return ReplicaStats("main_decode", len(self.seqs), e.pool.num_free, e.pool.num_blocks,
                             e.cache.num_blocks if e.cache else 0, e.cache.stats.hit_rate if e.cache else 0.0,
-                            {"flight": self.flight.location, "index": self.index,
+                            {"flight": self.flight.location, "index": self.index, "calls": len(self._calls),
+                             "registering": len(self._registered), "worker_running": self.worker.num_running,
                              "flight_bytes_reserved": self.flight.bytes_reserved, "started_at": self.started_at,
                              **self.where})
 
@@ -222,9 +225,18 @@ class MainDecode:
         try:
             yield
         finally:
-            self._calls[request_id] -= 1
+            self._uncall(request_id)
             if request_id in self.seqs:
                 self._touched[request_id] = time.monotonic()
+
+    def _uncall(self, request_id: str) -> None:
+        """A router call ended; the count goes with the request once none is left (a `_drop`
+        during the call could not remove it)."""
+        n = self._calls.get(request_id, 0) - 1
+        if n > 0 or request_id in self.seqs:
+            self._calls[request_id] = max(n, 0)
+        else:
+            self._calls.pop(request_id, None)
 
     def _new_flight(self):  # -> KVFlightServer
         from pdd_serve.transport.flight import KVFlightServer

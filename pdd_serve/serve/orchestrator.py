@@ -186,16 +186,22 @@ class Orchestrator:
             if dec.pipeline != "P-RLD" and location is not None:
                 # MD's prepare runs concurrently with prefill; Prefill sends from the planned block
                 prep = _spawn(self._bounded(self.b.md_prepare(md, gen, planned), "MD prepare"))
+                target = KVTarget(location, planned)
+            elif dec.pipeline != "P-RLD":  # no view of this MD (yet): ask first, one round trip
+                reply = await self._prepare_now(st, md, statuses)
+                if reply is None:  # no MD answers: RLD serves it alone, as for anomalous traffic
+                    dec = replace(dec, pipeline="P-RLD", reason="no main decode replica answered")
+                    info.pipeline, info.reason = dec.pipeline, dec.reason
+                else:
+                    md, planned = reply.md_index, reply.start_block
+                    prep = asyncio.get_running_loop().create_future()
+                    prep.set_result(reply)  # MD's answer is in: nothing to settle later
+                    target = KVTarget(reply.flight_location, planned)
+            if target is not None:
                 prepared = True
                 info.md_replica = md
                 self.index.assigned(md)
-                target = KVTarget(location, planned)
-                self.wan[gen.request_id] = (missing, time.monotonic())
-            elif dec.pipeline != "P-RLD":  # no view of any MD yet and none answers: RLD serves it alone
-                if not self.cfg.uses_relay:
-                    raise RuntimeError("no main decode replica answered and this graph has no relay")
-                self._fallback(st, "md_unavailable", "no view of any main decode replica")
-                info.pipeline = dec.pipeline = "P-RLD"
+                self.wan[gen.request_id] = ((nblocks - planned) * self.block_bytes, time.monotonic())
             late = pol.late_relay and "P-RLD-MD" in pol.pipelines and dec.pipeline == "P-MD" and not forced
             pre = await self._prefill(st, PrefillRequest(gen, dec.pipeline != "P-MD" or late, target))
             info.prefill_s = time.monotonic() - st.t0 - info.decision_s
@@ -411,9 +417,13 @@ class Orchestrator:
         self.index.update(view)
 
     async def watch_views(self) -> None:
-        """Keep the view of every MD current (the Router runs this for its lifetime)."""
-        while True:
-            await asyncio.gather(self.refresh_views(), asyncio.sleep(self.cfg.policy.drc_view_period_s))
+        """Keep the view of every MD current (the Router runs this for its lifetime); each MD on
+        its own beat, so a dead or slow one does not age the others' views."""
+        async def one(i: int) -> None:
+            while True:
+                await asyncio.gather(self._refresh_view(i), asyncio.sleep(self.cfg.policy.drc_view_period_s))
+
+        await asyncio.gather(*(one(i) for i in range(self.b.num_md)))
 
     async def _relay_then_md(self, st: RequestState, md: int, pre: PrefillResult,
                              forced_mode: str | None) -> AsyncIterator[list[int]]:
@@ -497,6 +507,21 @@ class Orchestrator:
             await relay.cut()
 
     # ------------------------------------------------------------ helpers
+
+    async def _prepare_now(self, st: RequestState, first: int, statuses: list) -> MDPrepareReply | None:
+        """Register the request at MD `first`, or the next healthy one, and wait for the answer
+        (only where the router has no view of the MD it picked)."""
+        order = [first] + [s.index for s in sorted(statuses, key=lambda s: (not s.healthy, s.running))
+                           if s.index != first]
+        for i in order:
+            try:
+                return await self._bounded(self.b.md_prepare(i, st.gen, None), "MD prepare")
+            except Exception as e:  # noqa: BLE001 - a dead or restarting MD: try the next
+                self.index.failed(i)
+                self._fallback(st, "md_unavailable", f"MD {i}: {type(e).__name__}: {e}")
+        if not self.cfg.uses_relay:
+            raise RuntimeError("no main decode replica answered and this graph has no relay")
+        return None
 
     async def _prefill(self, st: RequestState, preq: PrefillRequest) -> PrefillResult:
         """Prefill with bounded retries: a replica that dies mid-prefill is retried on another
