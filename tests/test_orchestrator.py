@@ -49,6 +49,9 @@ class InProcessBackends:
         self.lose_kv = 0  # transfers that never arrive
         self.fail_prefill = 0
         self.fail_relay = 0
+        self.fail_relay_after = 0  # the relay dies after this many chunks (0: never)
+        self.fail_relay_in_catch_up = False  # the relay dies once a catch-up batch went to MD
+        self.batch_rtt_s = 0.0
 
     async def md_view(self, i, known):
         c = self.mds[i].cache
@@ -104,6 +107,7 @@ class InProcessBackends:
 
     async def md_handoff_batch(self, i, rid, token_ids, timeout_s):
         self.calls.append(f"batch:{len(token_ids)}")
+        await asyncio.sleep(self.batch_rtt_s)  # the round trip to MD
         await self.md_wait_kv(i, rid, timeout_s)
         seq = self.md_seqs[i][rid]
         await self.mws[i].call(self.mds[i].extend, seq, list(token_ids), sample=False)
@@ -187,8 +191,14 @@ class InProcessBackends:
             else:
                 self.r.append_tokens(seq, list(rreq.committed))
             if not seq.finished:
+                n = 0
                 async for step in self.rw.decode(seq):
                     await asyncio.sleep(self.relay_step_s)
+                    n += 1
+                    caught_up = self.fail_relay_in_catch_up and any(c.startswith("batch") for c in self.calls)
+                    if n == self.fail_relay_after or caught_up:
+                        self.fail_relay_after, self.fail_relay_in_catch_up = 0, False
+                        raise RuntimeError("relay replica died mid-stream")
                     yield TokenChunk(step.token_ids, step.finish_reason)
         finally:
             await self.rw.release(seq, cache=False)
@@ -567,3 +577,32 @@ def test_an_md_missing_from_the_view_is_asked_first_and_a_dead_one_does_not_age_
 
     out, st = asyncio.run(main())
     assert out == ref and st.info.md_replica is not None
+
+
+
+@pytest.mark.parametrize("forced, fault", [
+    ({"pipeline": "P-RLD-MD", "handoff_mode": "catch-up"}, "relay_dies_in_catch_up"),
+    ({"pipeline": "P-RLD-MD", "handoff_mode": "one-shot"}, "relay_dies_before_kv"),
+    ({"pipeline": "P-RLD"}, "relay_dies_p_rld"),
+    ({"pipeline": "P-RLD-MD", "handoff_mode": "one-shot"}, "md_dies_after_one_shot"),
+    ({"pipeline": "P-RLD-MD", "handoff_mode": "catch-up"}, "md_dies_after_catch_up"),
+])
+def test_relay_path_faults_lose_no_token(model_dir, forced, fault):
+    """The relay or MD dies on the relay paths: the request completes from the committed token ids,
+    token-identical to one engine, and nothing is left behind."""
+    b = InProcessBackends(model_dir, num_md=2, wan_delay_s=0.3, relay_step_s=0.01)
+    if fault == "relay_dies_in_catch_up":
+        b.fail_relay_in_catch_up, b.batch_rtt_s = True, 0.1
+    elif fault in ("relay_dies_before_kv", "relay_dies_p_rld"):
+        b.fail_relay_after = 5
+    else:
+        b.fail_md_after = {0: 3, 1: 3}  # whichever MD holds it dies 3 chunks after the handoff
+    orch = _orch(b, handoff_batch_tokens=1, kv_wait_timeout_s=3.0, handoff_token_threshold=4)
+    prompt = _prompt(90, 47)
+    ref = Engine.from_pretrained(model_dir).generate(prompt, 80)
+    out, st = asyncio.run(_run(orch, prompt, 80, forced))
+    assert out == ref, st.info
+    kind = "relay_lost" if fault.startswith("relay") else "md_lost"
+    assert kind in st.info.fallbacks, st.info
+    assert all(not d for d in b.md_seqs) and orch.relay_running == 0
+    assert b.r.pool.num_free == b.r.pool.num_blocks

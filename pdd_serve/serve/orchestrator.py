@@ -45,6 +45,10 @@ from pdd_serve.serve.messages import (
 T = TypeVar("T")
 
 
+class RelayLost(RuntimeError):
+    """RLD failed mid-stream (its replica died, or it refused the request): MD takes over."""
+
+
 def _spawn(aw: Awaitable[T]) -> asyncio.Future[T]:
     """A task whose exception is always retrieved (a cancelled relay read may fail after the cut)."""
     fut = asyncio.ensure_future(aw)
@@ -66,13 +70,17 @@ class _RelayReader:
     async def until(self, fut: asyncio.Future | None) -> AsyncIterator[list[int]]:
         """Commit and yield RLD's tokens until `fut` completes (None: until RLD finishes)."""
         while not self.finished and (fut is None or not fut.done()):
-            await self.o._wait_any(self.nxt, fut)
-            if self.nxt.done():
+            try:
+                await self.o._wait_any(self.nxt, fut)
+                if not self.nxt.done():
+                    continue
                 toks, self.finished = self.o._take(self.st, self.nxt)
-                if toks:
-                    yield toks
-                if not self.finished:
-                    self.nxt = _spawn(self.it.__anext__())
+            except Exception as e:  # noqa: BLE001 - the relay's failure, whatever it raised
+                raise RelayLost(f"{type(e).__name__}: {e}") from e
+            if toks:
+                yield toks
+            if not self.finished:
+                self.nxt = _spawn(self.it.__anext__())
 
     async def cut(self) -> None:
         """Stop RLD (its KV is freed); a token it produced past the cut was never committed."""
@@ -239,7 +247,7 @@ class Orchestrator:
             if dec.pipeline == "P-MD":
                 inner = self._from_md_recovering(st, md)
             elif dec.pipeline == "P-RLD":
-                inner = self._from_relay(st, pre.kv_ref)
+                inner = self._from_relay_recovering(st, pre.kv_ref)
             else:
                 inner = self._relay_then_md(st, md, pre, forced.get("handoff_mode"))
             # close the inner stream explicitly when the client leaves: its cleanup (cancel RLD,
@@ -350,6 +358,22 @@ class Orchestrator:
             if not st.decoder_done:
                 await self._close(it)
 
+    async def _from_relay_recovering(self, st: RequestState, kv_ref: Any) -> AsyncIterator[list[int]]:
+        """P->RLD, surviving the relay's loss: an MD takes the request from the committed token
+        ids (P sends it the KV it lacks), as in any migration; the WAN carries it after all."""
+        try:
+            async with contextlib.aclosing(self._from_relay(st, kv_ref)) as stream:
+                async for toks in stream:
+                    yield toks
+            return
+        except Exception as e:  # noqa: BLE001 - whatever the relay raised, the committed ids survive
+            self._fallback(st, "relay_lost", f"{type(e).__name__}: {e}")
+        del kv_ref  # the relay's copy of the prompt KV is no use now
+        md = await self._redeliver(st, avoid=-1)
+        async with contextlib.aclosing(self._from_md_recovering(st, md)) as stream:
+            async for toks in stream:
+                yield toks
+
     async def _relay_takeover(self, st: RequestState) -> AsyncIterator[list[int]]:
         """Last resort: P recomputes the prompt KV (mostly from its prefix cache) into the object
         store and RLD finishes the request from the committed tokens."""
@@ -427,23 +451,33 @@ class Orchestrator:
 
     async def _relay_then_md(self, st: RequestState, md: int, pre: PrefillResult,
                              forced_mode: str | None) -> AsyncIterator[list[int]]:
-        rid, pol = st.gen.request_id, self.cfg.policy
         relay = _RelayReader(self, st, self.b.relay(RelayRequest(st.gen, tuple(st.committed), pre.kv_ref)))
         self.relay_running += 1
-        kv: asyncio.Future = _spawn(self.b.md_wait_kv(md, rid, self.timeout))
+        kv: asyncio.Future = _spawn(self.b.md_wait_kv(md, st.gen.request_id, self.timeout))
+        try:
+            async with contextlib.aclosing(self._relay_phases(st, md, relay, kv, forced_mode)) as phases:
+                async for toks in phases:
+                    yield toks
+        except RelayLost as e:  # RLD failed or refused, before the handoff: MD takes the request
+            self._fallback(st, "relay_lost", str(e))
+            await self._end_relay(relay)
+            async with contextlib.aclosing(self._from_md_recovering(st, md)) as stream:
+                async for toks in stream:
+                    yield toks
+        finally:
+            if not kv.done():
+                kv.cancel()
+            await self._end_relay(relay)
+
+    async def _relay_phases(self, st: RequestState, md: int, relay: _RelayReader, kv: asyncio.Future,
+                            forced_mode: str | None) -> AsyncIterator[list[int]]:
+        """Phase 1: eager tokens while the KV crawls to MD; phase 2 (catch-up): batches to MD while
+        RLD goes on; phase 3: cut RLD, MD extends and goes on. Raises RelayLost before the cut."""
+        rid, pol = st.gen.request_id, self.cfg.policy
         batch: asyncio.Future | None = None
         try:
-            # Phase 1: eager tokens from RLD while the KV crawls to MD
-            try:
-                async for toks in relay.until(kv):
-                    yield toks
-            except Exception as e:  # noqa: BLE001 - RLD failed or saturated: MD takes the request
-                self._fallback(st, "relay_lost", f"{type(e).__name__}: {e}")
-                await self._end_relay(relay)
-                async with contextlib.aclosing(self._from_md_recovering(st, md)) as stream:
-                    async for toks in stream:
-                        yield toks
-                return
+            async for toks in relay.until(kv):
+                yield toks
             if relay.finished:  # RLD finished it first: MD still absorbs it so the caches stay aligned
                 self._background(self.b.md_absorb(md, rid, list(st.committed), self.timeout))
                 return
@@ -496,10 +530,8 @@ class Orchestrator:
                         first = False
                     yield toks
         finally:
-            for t in (kv, batch):
-                if t is not None and not t.done():
-                    t.cancel()
-            await self._end_relay(relay)
+            if batch is not None and not batch.done():
+                batch.cancel()
 
     async def _end_relay(self, relay: _RelayReader) -> None:
         if not relay.closed:

@@ -3,6 +3,7 @@ store for Relay and streams the blocks MD lacks to MD over Flight, in parallel, 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import queue
 import threading
@@ -99,8 +100,8 @@ class Prefill:
                     feed.on_chunk(self.engine, s)
 
             first, finish, kv = await self.worker.call(self._prefill_once, seq, on_chunk, preq.to_relay)
-            if kv is not None:
-                kv_ref = put_kv(kv)
+            if kv is not None:  # a full copy into the object store: off the event loop
+                kv_ref = await asyncio.to_thread(put_kv, kv)
         except BaseException:
             if feed is not None:
                 feed.q.put(None)

@@ -3,9 +3,12 @@
 No `from __future__ import annotations` here: FastAPI reads the route signatures at runtime.
 """
 
+import asyncio
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -93,6 +96,7 @@ class Router:
         self.backends = ServeBackends(cfg, prefill, relay, mds, link)
         self.orch = Orchestrator(cfg, self.backends, self.layout.block_bytes, est)
         self._watch: Any = None  # the background view of every MD (started with the first request)
+        self._parser = ThreadPoolExecutor(1, thread_name_prefix="pdd-parse")
         self.metrics = RouterMetrics()
         self.in_flight = 0
         self.created = int(time.time())
@@ -132,8 +136,6 @@ class Router:
     # ------------------------------------------------------------ request handling
 
     def _watch_views(self) -> None:
-        import asyncio
-
         if self._watch is None or self._watch.done():
             self._watch = asyncio.get_running_loop().create_task(self.orch.watch_views())
 
@@ -150,8 +152,11 @@ class Router:
         self.in_flight += 1  # admitted: counted until its generation ends (in _tokens) or it is refused
         try:
             raw = await request.body()
-            creq = oai.parse_request(raw, kind, self.cfg.server, self.tokenizer, self.max_model_len,
-                                     self.cfg.policy.allow_overrides, headers=request.headers)
+            # tokenizing a large body takes a while: off the event loop, where other streams flow, on
+            # one thread (a fast tokenizer used from two threads at once can fail "already borrowed")
+            creq = await asyncio.get_running_loop().run_in_executor(self._parser, functools.partial(
+                oai.parse_request, raw, kind, self.cfg.server, self.tokenizer, self.max_model_len,
+                self.cfg.policy.allow_overrides, headers=request.headers))
             forced = (creq.pdd_override or {}).get("pipeline")
             if forced is not None and forced not in self.cfg.policy.pipelines:
                 raise oai.APIError(400, "invalid_request_error", f"pipeline {forced} is not enabled in this graph "
