@@ -283,7 +283,7 @@ def _rel(pred: float, meas: float) -> float:
 
 
 def format_validation(res: dict[str, Any], tol: float) -> str:
-    lines = [f"{'graph':<13}{'metric':<14}{'measured':>10}{'predicted':>11}{'rel err':>9}  {'link draws min..max':<19}"]
+    lines = [f"{'graph':<19}{'metric':<14}{'measured':>10}{'predicted':>11}{'rel err':>9}  {'link draws min..max':<19}"]
     for g, r in res.items():
         for k, label in (("ttft_p50", "TTFT P50 (s)"), ("ttft_p90", "TTFT P90 (s)"), ("goodput_rps", "goodput rps")):
             e = r["rel_error"][k]
@@ -291,9 +291,9 @@ def format_validation(res: dict[str, Any], tol: float) -> str:
             spread = f"{lo:.3f}..{hi:.3f}" if r["predicted"]["draws"] > 1 else ""
             flag = "" if not math.isfinite(e) or abs(e) <= tol else "  > tolerance"
             err = f"{e:>+9.1%}" if math.isfinite(e) else f"{'n/a':>9}"  # measured 0: see the absolute values
-            lines.append(f"{g:<13}{label:<14}{r['measured'][k]:>10.3f}{r['predicted'][k]:>11.3f}{err}  "
+            lines.append(f"{g:<19}{label:<14}{r['measured'][k]:>10.3f}{r['predicted'][k]:>11.3f}{err}  "
                          f"{spread:<19}{flag}")
-        lines.append(f"{'':<13}pipelines measured {r['measured']['pipelines']} / simulated {r['predicted']['pipelines']}")
+        lines.append(f"{'':<19}pipelines measured {r['measured']['pipelines']} / simulated {r['predicted']['pipelines']}")
     return "\n".join(lines)
 
 
