@@ -327,10 +327,11 @@ def main(argv: list[str] | None = None) -> int:
         return _med([r["cpu"] / (r["bytes"] / 1e9) for r in runs[key]])
 
     util = {rate: {s: gbps(f"paced_{rate:g}_{s}") * 1e9 / rate for s in streams} for rate in rates}
-    # the CPU floor: a line of R GB/s needs R x (CPU s per GB) cores of sender + receiver; above
-    # this machine's cores no transport setting can fill it
+    # The floor: a line of R GB/s needs R x (CPU s per GB) cores of sender + receiver; past this
+    # machine's cores no setting fills it. Beside it, what one unpaced stream moves here right now.
     cores = os.cpu_count() or 1
-    cpu_ceiling = {rate: min(1.0, cores / (cpu_per_gb("flight_lo") * rate / 8e9)) for rate in rates}
+    cores_needed = {rate: cpu_per_gb("flight_lo") * rate / 8e9 for rate in rates}
+    unpaced_1 = {rate: min(1.0, gbps("flight_lo") * 1e9 / rate) for rate in rates}
     kernel_rate = shaped.link.rate_bps if shaped and k_flight else None
     kernel = {s: gbps(f"kernel_{s}") * 1e9 / kernel_rate for s in streams} if kernel_rate else {}
     flight_vs_tcp = _med([t["s"] / f["s"] for f, t in zip(runs["flight_lo"], runs["tcp_lo"])])
@@ -345,8 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         for s in streams:
             rows.append((f"paced {rate / 1e9:g} Gbit/s, {s} stream(s): verified goodput / line",
                          f"{util[rate][s]:.3f}  ({gbps(f'paced_{rate:g}_{s}'):.2f} Gbit/s)"))
-        rows.append((f"  CPU ceiling at {rate / 1e9:g} Gbit/s ({cores} cores / Flight CPU per GB)",
-                     f"{cpu_ceiling[rate]:.3f}"))
+        rows.append((f"  cores to fill {rate / 1e9:g} Gbit/s; 1 unpaced stream / line",
+                     f"{cores_needed[rate]:.2f} of {cores}; {unpaced_1[rate]:.3f}"))
     if kernel:
         for s in streams:
             rows.append((f"kernel tbf {kernel_rate / 1e9:g} Gbit/s, {s} stream(s): verified goodput / line",
@@ -382,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         "streams": streams,
         **{f"line_util_{rate / 1e9:g}g_paced_by_streams": {str(s): u for s, u in util[rate].items()} for rate in rates},
         "line_util_1g_paced": best.get(1e9), "line_util_10g_paced": best.get(1e10),
-        **{f"line_util_{rate / 1e9:g}g_cpu_ceiling": cpu_ceiling[rate] for rate in rates},
+        **{f"line_util_{rate / 1e9:g}g_unpaced_1stream": unpaced_1[rate] for rate in rates},
+        **{f"cores_to_fill_{rate / 1e9:g}g": cores_needed[rate] for rate in rates}, "cores": cores,
         "line_util_1g_kernel": max(kernel.values()) if kernel and kernel_rate == 1e9 else None,
         "line_util_kernel_by_streams": {str(s): u for s, u in kernel.items()} or None,
         "line_util_kernel_tcp": gbps("kernel_tcp") * 1e9 / kernel_rate if kernel else None,

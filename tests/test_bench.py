@@ -44,3 +44,12 @@ def test_bench_transport_reports_line_utilisation_and_cpu(capsys):
     assert out["line_util_1g_kernel"] is None and out["kernel_null_reason"]
     assert out["flight_cpu_s_per_gb"] > 0 and out["tcp_cpu_s_per_gb"] > 0 and out["flight_vs_tcp"] > 0
     assert out["handoff_payload_ratio"] == pytest.approx(out["handoff_payload_bytes"] / out["kv_bytes_100_tokens_50kb"], rel=1e-3)
+
+
+def test_flight_streams_setting_is_checked():
+    from pdd_serve.config import ConfigError, FlightConfig, load_config
+
+    assert load_config({"flight": {"streams": 4}}).flight.streams == 4
+    for bad in (0, 17):
+        with pytest.raises(ConfigError, match="flight.streams"):
+            FlightConfig(streams=bad)
