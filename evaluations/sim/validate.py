@@ -241,11 +241,12 @@ def fit_platform(sc: Scenario, graph: str, rows: list[dict[str, Any]], ttft_s: f
         return sum(math.log(pred[k] / meas[k]) ** 2 for k in keys if pred[k] > 0 and meas[k] > 0)
 
     def fit_step(base: Scenario) -> Scenario:
-        step = min(np.linspace(0.0, 30.0, 61), key=lambda v: loss(base, ("tpot_p50",), decode_step_overhead_ms=float(v)))
+        step = min(np.linspace(0.0, 40.0, 81), key=lambda v: loss(base, ("tpot_p50",), decode_step_overhead_ms=float(v)))
         return dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, decode_step_overhead_ms=float(step)))
 
     sc2 = fit_step(sc)
-    grid = [(float(ov), float(k)) for ov in np.linspace(0.0, 0.3, 31) for k in np.linspace(1.0, 2.0, 11)]
+    # wide enough for a machine under 4-8x load (2 cores shared by several Ray clusters)
+    grid = [(float(ov), float(k)) for ov in np.linspace(0.0, 0.8, 41) for k in np.linspace(1.0, 4.0, 16)]
     ov, slow = min(grid, key=lambda g: loss(sc2, ("ttft_p50", "ttft_p90"), request_overhead_s=g[0],
                                             compute_slowdown=g[1]))
     sc2 = fit_step(dataclasses.replace(sc2, scheduler=dataclasses.replace(sc2.scheduler, request_overhead_s=ov,
