@@ -145,7 +145,7 @@ def test_overload_still_conserves(tiny) -> None:
 
 def test_simulator_uses_the_real_policy(tiny) -> None:
     # the same function objects, imported unchanged from pdd_serve.policy
-    for fn in ("choose_pipeline", "pick_md", "plan_handoff", "catchup_done"):
+    for fn in ("choose_pipeline", "pick_md", "plan_handoff", "catchup_done", "wan_backlog"):
         assert getattr(simmod, fn) is getattr(policy, fn)
     dep = tiny.deployments["pdd"]
     only_pmd = dataclasses.replace(dep, policy=dataclasses.replace(dep.policy, pipelines=("P-MD",)))
@@ -530,3 +530,22 @@ def test_kernel_shaped_wire_caps_the_paced_link() -> None:
         "pd_same_dc": "same_dc", "pd_cross_dc": "wan_shaped", "pd_cross_dc_naive": "wan_shaped", "pdd": "wan_shaped"}
     with pytest.raises(SimConfigError, match="not a link"):
         with_link(sc, "nope")
+
+
+def test_router_ledger_counts_transfers_still_queued_at_prefill() -> None:
+    """pdd_serve's Router puts a transfer on its ledger at its decision, before P has produced a
+    block: a second cold prompt right behind the first plans with the first one's bytes as backlog
+    (wan_backlog), so it takes the relay although alone it would fit P->MD's budget."""
+    sc = load_scenario("cpu_validate")
+    dep = sc.deployments["pdd"]
+    pol = dataclasses.replace(dep.policy, wan_budget_s=1.0)
+    sim = Simulation(sc, dataclasses.replace(dep, policy=pol), Workload([], [], 16))
+    a = SimRequest(0, 0.0, 801, 32, tuple(range(1, 51)))
+    b = SimRequest(1, 0.01, 801, 32, tuple(range(1001, 1051)))
+    sim.wl.requests[:] = [a, b]
+    alone = policy.choose_pipeline(801, 32, 51 * sim.block_bytes, sim.est, 0, pol)
+    assert alone.pipeline == "P-MD"  # 1.7 MB at 2 MB/s fits a 1 s budget, alone
+    sim.run()
+    assert a.pipeline == "P-MD" and b.pipeline == "P-RLD-MD", (a.reason, b.reason)
+    # one RLD finished first stays until it should have crossed, then the next look drops it
+    assert not sim._line().backlog and not sim.ledger

@@ -36,9 +36,19 @@ from evaluations.sim.roofline import (
 from evaluations.sim.workload import SimRequest, Workload
 from pdd_serve.engine.kv import blocks_needed
 from pdd_serve.engine.radix_cache import RadixCache
-from pdd_serve.policy import LinkEstimate, MDStatus, catchup_done, choose_pipeline, pick_md, plan_handoff
+from pdd_serve.policy import (
+    LinkEstimate,
+    MDStatus,
+    catchup_done,
+    choose_pipeline,
+    pick_md,
+    plan_handoff,
+    wan_backlog,
+)
+from pdd_serve.transport.link import BandwidthEstimator
 
 INF = math.inf
+BW_SAMPLE_MIN_BYTES = 1 << 20  # pdd_serve.serve.prefill's: smaller transfers don't feed the estimate
 _NO_EVICT = 1 << 62  # the caches evict in bulk at a watermark (see _cache_insert), not per insert
 
 
@@ -72,6 +82,9 @@ class PrefillInstance:
         self.forwards = 0
         self.busy_s = 0.0
         self.pacer: SharedPacer | None = None  # pdd_serve's per-Prefill link pacer, when modelled
+        self.bw: BandwidthEstimator | None = None  # its live estimate of the line (with the pacer)
+        self.sending = 0  # KV senders running (one per request with an MD target, from the prefill call)
+        self.started = 0
 
     def submit(self, job: _PJob) -> None:
         self.q.append(job)
@@ -473,6 +486,9 @@ class Simulation:
         if self.link is not None and ls.per_prefill_bucket:
             for p in self.ps:  # one pacer (one LinkModel) per Prefill replica, as serve/prefill.py has
                 p.pacer = SharedPacer(self, ls.build(self.model.kv_bytes_per_token))
+                p.bw = BandwidthEstimator(initial_bps=bw)
+        self.senders: dict[int, tuple[float, bool, int]] = {}  # rid -> (sender start, alone, start count)
+        self.ledger: dict[int, tuple[int, float]] = {}  # the Router's transfers on the line: rid -> (bytes, since)
         self.drc = self.pol.drc
         self.drc_logs = [DRCLog(self) for _ in range(rm.instances)] if self.drc else []
         self.mds = [DecodeInstance(self, i, "main_decode", dchips[rm.chip], rm.chips_per_instance, sched.decode_max_batch,
@@ -581,9 +597,19 @@ class Simulation:
         return self.drc_logs[i].held_at(self.mds[i].cache, list(r.blocks), s) if self.drc else 0
 
     def _line(self) -> LinkEstimate:
-        """The line as the Router sees it: its transfers still crossing share it with a new one."""
-        backlog = tuple(b for p in self.ps if p.pacer is not None for b in p.pacer.backlog() if b > 0)
-        return dataclasses.replace(self.est, backlog=backlog)
+        """The line as the Router sees it (orchestrator.line): the transfers it started and hasn't
+        seen land, each assumed to have crossed at a fair share since the Router's decision
+        (`wan_backlog`); one that should have crossed by now leaves the ledger. Only where the
+        simulation is pdd_serve's (per-Prefill pacers): at cluster scale a transfer's LinkModel is
+        already one share of a wider line, and the Router plans each on its own."""
+        if not self.ps or self.ps[0].pacer is None:
+            return self.est
+        rids = list(self.ledger)
+        left = wan_backlog([self.ledger[r] for r in rids], self.now, self.est.bandwidth_bps)
+        for r, b in zip(rids, left):
+            if b <= 0:
+                del self.ledger[r]
+        return dataclasses.replace(self.est, backlog=tuple(b for b in left if b > 0))
 
     def _arrive(self, r: SimRequest) -> None:
         """The Router decides from its own view (no round trip before prefill, orchestrator.run):
@@ -617,6 +643,8 @@ class Simulation:
             r.index_miss = real < planned and r.fixed_wan_bytes is None
             self.index_misses += r.index_miss
             r.wan_bytes = missing + self._resend_bytes(r)  # from the planned block, plus a resend
+            if self.ps[0].pacer is not None:
+                self.ledger[r.rid] = (missing, self.now)
             r.t_prepared = self.now + 2 * self.ctl
         p = self._pick_prefill(r)
         r.p = p.idx
@@ -624,6 +652,10 @@ class Simulation:
             r.hit_p = min(r.fixed_hit_p, r.prompt - 1)
         else:
             r.hit_p = self._hit_tokens(r, len(p.cache.match_hashes(list(r.blocks)).hashes))
+        if p.bw is not None and r.pipeline != "P-RLD":  # Prefill's sender starts with the prefill call
+            p.sending += 1
+            p.started += 1
+            self.senders[r.rid] = (self.now, p.sending == 1, p.started)
         p.submit(_PJob(r, r.prompt - r.hit_p, r.hit_p))
 
     def _pick_prefill(self, r: SimRequest) -> PrefillInstance:
@@ -680,7 +712,19 @@ class Simulation:
         prefill's last chunk could have crossed."""
         self.kv_sent[r.rid] = t + self.lat
         if r.t_prefill_done >= 0:
-            self._kv_part(r, max(t + self.lat, self.kv_floor.pop(r.rid)))
+            self._sent(r, max(t + self.lat, self.kv_floor.pop(r.rid)))
+
+    def _sent(self, r: SimRequest, t: float) -> None:
+        """The request's stream from the planned block landed at t: a transfer that had the line to
+        itself from the prefill call on feeds Prefill's live estimate (serve/prefill.py), which the
+        Router plans with once the prefill returns."""
+        p = self.ps[r.p]
+        t0, alone, started = self.senders.pop(r.rid)
+        p.sending -= 1
+        nbytes = r.wan_bytes - self._resend_bytes(r)
+        if alone and p.started == started and nbytes >= BW_SAMPLE_MIN_BYTES and p.bw is not None:
+            p.bw.observe(nbytes, t - t0)
+        self._kv_part(r, t)
 
     def _resend(self, r: SimRequest) -> None:
         """P sends the blocks a stale view left out (its own stream on the replica's pacer)."""
@@ -710,6 +754,8 @@ class Simulation:
     def _prefill_done(self, job: _PJob, p: PrefillInstance) -> None:
         r, now = job.req, self.now
         r.t_prefill_done = r.t_first_prefill = now
+        if p.bw is not None and p.bw.bps:  # the PrefillResult carries P's live view of the line
+            self.est = dataclasses.replace(self.est, bandwidth_bps=p.bw.bps / 8)
         self._cache_insert(p, r.blocks)
         self._late_relay(r)
         if r.pipeline != "P-RLD" and p.pacer is not None:
@@ -721,7 +767,7 @@ class Simulation:
             last = min(r.wan_bytes - gap, self.chunk * self.model.kv_bytes_per_token)
             floor = now + self.link.transfer_time(last, now) if last > 0 else now + self.lat
             if r.rid in self.kv_sent:
-                self._kv_part(r, max(self.kv_sent.pop(r.rid), floor))
+                self._sent(r, max(self.kv_sent.pop(r.rid), floor))
             else:
                 self.kv_floor[r.rid] = floor
         elif r.pipeline != "P-RLD":
@@ -765,6 +811,7 @@ class Simulation:
         r = m.req
         if r.t_first_decoder < 0:
             r.t_first_decoder = t + self.ctl  # MD's tokens reach the client through the router at A
+        self.ledger.pop(r.rid, None)  # MD streams: its KV landed (the Router's ledger lets it go)
 
     def _md_finished(self, m: _Member, t: float) -> None:
         r = m.req
@@ -822,6 +869,7 @@ class Simulation:
 
     def _kv_known(self, r: SimRequest) -> None:
         """The Router learns MD holds the KV: plan the handoff from what RLD has streamed so far."""
+        self.ledger.pop(r.rid, None)
         if r.finished:
             self._absorb(r)
             return
