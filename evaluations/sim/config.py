@@ -196,6 +196,9 @@ class SchedulerSpec:
     # per decode-side forward (MD, RLD steps and extends): the serving loop around the engine
     # (asyncio, streaming each step's tokens through Serve), which engine timings can't see
     decode_step_overhead_ms: float = 0.0
+    # per Router -> MD call (decode, wait_kv, handoff batches) on top of the line's latency: Serve's
+    # handle, the cross-site wrapper and asyncio under the machine's load
+    md_call_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         _check(isinstance(self.prefill_chunk_tokens, int) and self.prefill_chunk_tokens > 0,
@@ -208,6 +211,7 @@ class SchedulerSpec:
         _check(self.request_overhead_s >= 0, "request_overhead_s", "must be >= 0")
         _check(_pos(self.compute_slowdown), "compute_slowdown", "must be > 0")
         _check(self.decode_step_overhead_ms >= 0, "decode_step_overhead_ms", "must be >= 0")
+        _check(self.md_call_overhead_s >= 0, "md_call_overhead_s", "must be >= 0")
 
 
 @dataclass(frozen=True)

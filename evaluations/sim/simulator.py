@@ -460,6 +460,8 @@ class Simulation:
         bw = self.link.bandwidth_bps if self.link is not None else None
         self.lat = self.link.config.one_way_latency_s if self.link is not None else 0.0  # KV's
         self.ctl = self.lat if ls.control_latency else 0.0  # every Router <-> MD message's (crosssite.py)
+        # a Router -> MD call as it leaves: the line's latency plus the platform's handling of the call
+        self.call = self.ctl + sc.scheduler.md_call_overhead_s
         # the Router polls every MD's DRC view each period, a cross-site round trip (watch_views)
         self.view_cycle = max(self.pol.drc_view_period_s, 2 * self.ctl)
         self.index_misses = 0
@@ -854,7 +856,7 @@ class Simulation:
             # over P's token once it also holds the KV, and its first chunk crosses back
             r.md_tokens = 0
             m = self._md_member(r, r.output - 1, r.prompt + 1)
-            call = r.t_prefill_done + self.ctl
+            call = r.t_prefill_done + self.call
             if call > now:
                 self.at(call, md.join, m)
             else:
@@ -865,7 +867,7 @@ class Simulation:
             self._md_release(r, cache=False)
             return
         # the Router's wait_kv (sent when prefill returned) answers across the line
-        self.at(max(now, r.t_prefill_done + self.ctl) + self.ctl, self._kv_known, r)
+        self.at(max(now, r.t_prefill_done + self.call) + self.ctl, self._kv_known, r)
 
     def _kv_known(self, r: SimRequest) -> None:
         """The Router learns MD holds the KV: plan the handoff from what RLD has streamed so far."""
@@ -897,7 +899,7 @@ class Simulation:
         send = pending - 1  # the last committed token stays back: the final extend needs its logits
         r.handoff_batches += 1
         cost = self._extend_cost(md, send, r.prompt + md_has)
-        self.at(self.now + self.ctl, md.op, cost, self._catchup_reply, r, md_has + send, pending)
+        self.at(self.now + self.call, md.op, cost, self._catchup_reply, r, md_has + send, pending)
 
     def _catchup_reply(self, r: SimRequest, md_has: int, gap: int) -> None:
         self.at(self.now + self.ctl, self._catchup_round, r, md_has, gap)
@@ -916,7 +918,7 @@ class Simulation:
             self._absorb(r, md_has)
             return
         cost = self._extend_cost(md, committed - md_has, r.prompt + md_has)
-        self.at(now + self.ctl, md.op, cost, self._md_takeover, r, committed, now)
+        self.at(now + self.call, md.op, cost, self._md_takeover, r, committed, now)
 
     def _md_takeover(self, r: SimRequest, committed: int, t_cut: float) -> None:
         now = self.now

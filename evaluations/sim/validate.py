@@ -154,7 +154,11 @@ def measured(rows: list[dict[str, Any]], ttft_s: float, tpot_s: float) -> dict[s
     for r in rows:
         p = r.get("pdd_pipeline") or "?"
         pipes[p] = pipes.get(p, 0) + 1
-    return {"ttft_p50": float(np.percentile(ttfts, 50)) if ttfts else math.nan,
+    pre = [float(r["pdd_prefill_s"]) for r in ok if r.get("pdd_prefill_s") is not None
+           and not (isinstance(r["pdd_prefill_s"], float) and math.isnan(r["pdd_prefill_s"]))]
+    return {"prefill_p50": float(np.percentile(pre, 50)) if pre else math.nan,
+            "prefill_p90": float(np.percentile(pre, 90)) if pre else math.nan,
+            "ttft_p50": float(np.percentile(ttfts, 50)) if ttfts else math.nan,
             "ttft_p90": float(np.percentile(ttfts, 90)) if ttfts else math.nan,
             "goodput_rps": good / span if span > 0 else math.nan, "attainment": good / len(rows),
             "tpot_p50": float(np.median(tpots)) if tpots else math.nan, "pipelines": pipes}
@@ -197,6 +201,7 @@ def predicted(sc: Scenario, graph: str, rows: list[dict[str, Any]], ttft_s: floa
         sck = with_link_seed(sc, graph, k) if cross else sc
         tt: list[float] = []
         tp: list[float] = []
+        pre: list[float] = []
         good, span = 0, 0.0
         for run in runs_of(rows):
             sim = Simulation(sck, sck.deployments[graph], records_to_workload(run, sc.workload.block_size, sessions))
@@ -204,6 +209,7 @@ def predicted(sc: Scenario, graph: str, rows: list[dict[str, Any]], ttft_s: floa
             wall += sim.wall_s
             ok = [r for r in reqs if not r.fallback.startswith("failed")]  # a failed request is an error row
             tt += [ttft(r, sck.sla) for r in ok]
+            pre += [r.t_prefill_done - r.arrival - sck.scheduler.request_overhead_s for r in ok if r.t_prefill_done >= 0]
             tp += [tpot(r, sck.sla) for r in ok if r.output > 1]
             good += sum(1 for r in ok if ttft(r, sck.sla) <= ttft_s and (r.output <= 1 or tpot(r, sck.sla) <= tpot_s))
             span += (max(r.t_done for r in ok) - min(r.arrival for r in reqs)) if ok else 0.0
@@ -211,7 +217,9 @@ def predicted(sc: Scenario, graph: str, rows: list[dict[str, Any]], ttft_s: floa
                 for r in reqs:
                     pipes[r.pipeline] = pipes.get(r.pipeline, 0) + 1
         tt = tt or [math.inf]
-        per_draw.append({"ttft_p50": float(np.percentile(tt, 50)), "ttft_p90": float(np.percentile(tt, 90)),
+        pre = pre or [math.nan]
+        per_draw.append({"prefill_p50": float(np.percentile(pre, 50)), "prefill_p90": float(np.percentile(pre, 90)),
+                         "ttft_p50": float(np.percentile(tt, 50)), "ttft_p90": float(np.percentile(tt, 90)),
                          "goodput_rps": good / span if span > 0 else math.nan, "attainment": good / len(rows),
                          "tpot_p50": float(np.median(tp)) if tp else math.nan})
     out: dict[str, Any] = {k: float(np.mean([d[k] for d in per_draw])) for k in per_draw[0]}
@@ -229,7 +237,10 @@ def fit_platform(sc: Scenario, graph: str, rows: list[dict[str, Any]], ttft_s: f
       compute_slowdown: every forward slowed by the machine's other tenants (the replicas share
       2 cores), together on TTFT P50 and P90;
     - decode_step_overhead_ms: the serving loop around each decode forward (asyncio, streaming each
-      step's tokens through Serve), on TPOT P50 (fitted first, refitted after the other two)."""
+      step's tokens through Serve), on TPOT P50 (fitted first, refitted after the other two);
+    - with the records' TTFT breakdown (pdd_ttft_s, pdd_prefill_s), each on its own measurement
+      instead: request_overhead_s = the client's side of TTFT, compute_slowdown on the Router's
+      prefill time, md_call_overhead_s (each Router -> MD call's handling) on TTFT P50 and P90."""
     import dataclasses
 
     ok_rows = [r for r in rows if not r.get("error")]
@@ -245,13 +256,31 @@ def fit_platform(sc: Scenario, graph: str, rows: list[dict[str, Any]], ttft_s: f
         return dataclasses.replace(base, scheduler=dataclasses.replace(base.scheduler, decode_step_overhead_ms=float(step)))
 
     sc2 = fit_step(sc)
-    # wide enough for a machine under 4-8x load (2 cores shared by several Ray clusters)
-    grid = [(float(ov), float(k)) for ov in np.linspace(0.0, 0.8, 41) for k in np.linspace(1.0, 4.0, 16)]
-    ov, slow = min(grid, key=lambda g: loss(sc2, ("ttft_p50", "ttft_p90"), request_overhead_s=g[0],
-                                            compute_slowdown=g[1]))
-    sc2 = fit_step(dataclasses.replace(sc2, scheduler=dataclasses.replace(sc2.scheduler, request_overhead_s=ov,
-                                                                          compute_slowdown=slow)))
-    return sc2, {"request_overhead_s": round(ov, 4), "compute_slowdown": round(slow, 3),
+    client = [float(r["ttft_s"]) - float(r["pdd_ttft_s"]) for r in ok_rows
+              if r.get("ttft_s") is not None and r.get("pdd_ttft_s") is not None]
+    if client and math.isfinite(meas["prefill_p50"]):
+        # the records' own breakdown (since commit e23cef8): the client's side of TTFT (HTTP in,
+        # first chunk out) is the request overhead; the Router's prefill time (queue + prefill, as
+        # it saw it) fits the compute slowdown; what TTFT has beyond both is the Router -> MD calls'
+        # handling (md_call_overhead_s). Each on its own measurement, so they don't trade off.
+        ov = max(0.0, float(np.median(client)))
+        sc2 = dataclasses.replace(sc2, scheduler=dataclasses.replace(sc2.scheduler, request_overhead_s=ov))
+        slow = float(min(np.linspace(1.0, 4.0, 31),
+                         key=lambda k: loss(sc2, ("prefill_p50", "prefill_p90"), compute_slowdown=float(k))))
+        sc2 = dataclasses.replace(sc2, scheduler=dataclasses.replace(sc2.scheduler, compute_slowdown=slow))
+        call = float(min(np.linspace(0.0, 0.5, 51),
+                         key=lambda c: loss(sc2, ("ttft_p50", "ttft_p90"), md_call_overhead_s=float(c))))
+        sc2 = fit_step(dataclasses.replace(sc2, scheduler=dataclasses.replace(sc2.scheduler, md_call_overhead_s=call)))
+    else:  # older records: no breakdown, overhead and slowdown together on TTFT
+        # wide enough for a machine under 4-8x load (2 cores shared by several Ray clusters)
+        grid = [(float(ov), float(k)) for ov in np.linspace(0.0, 0.8, 41) for k in np.linspace(1.0, 4.0, 16)]
+        ov, slow = min(grid, key=lambda g: loss(sc2, ("ttft_p50", "ttft_p90"), request_overhead_s=g[0],
+                                                compute_slowdown=g[1]))
+        sc2 = fit_step(dataclasses.replace(sc2, scheduler=dataclasses.replace(sc2.scheduler, request_overhead_s=ov,
+                                                                              compute_slowdown=slow)))
+    return sc2, {"request_overhead_s": round(sc2.scheduler.request_overhead_s, 4),
+                 "compute_slowdown": round(sc2.scheduler.compute_slowdown, 3),
+                 "md_call_overhead_s": round(sc2.scheduler.md_call_overhead_s, 4),
                  "decode_step_overhead_ms": round(sc2.scheduler.decode_step_overhead_ms, 2), "fit_graph": graph}
 
 
@@ -524,7 +553,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise SimConfigError(f"--fit-platform {args.fit_platform}: no such graph in the records/scenario")
             sc, platform = fit_platform(sc, args.fit_platform, fit_rows, ttft_s, tpot_s, sessions)
             print(f"platform fitted on {args.fit_platform} (in sample): request overhead "
-                  f"{platform['request_overhead_s']:.3f} s, compute x{platform['compute_slowdown']:.2f}, decode step overhead "
+                  f"{platform['request_overhead_s']:.3f} s, compute x{platform['compute_slowdown']:.2f}, MD call overhead "
+                  f"{platform['md_call_overhead_s']:.3f} s, decode step overhead "
                   f"{platform['decode_step_overhead_ms']:.1f} ms; the other graphs are out of sample")
         res = validate(sc, rows, ttft_s, tpot_s, [args.graph] if args.graph else None, args.draws, sessions)
     except SimConfigError as e:
