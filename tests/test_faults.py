@@ -201,3 +201,62 @@ def test_saturated_relay_admits_no_more_and_loses_nothing(graph, ref_engine):
     st = _handle("Relay").stats.remote().result(timeout_s=30)
     assert st.extra["peak_live"] <= 8  # policy.relay_max_running in the dev graph
     assert any("relay_lost" in info["fallbacks"] for _, info in results)
+
+
+def _plasma_bytes() -> int:
+    """Bytes the cluster's object stores hold now (every raylet's plasma, primary copies and all)."""
+    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+    return get_memory_info_reply(get_state_from_address(os.environ["RAY_ADDRESS"])).store_stats.object_store_bytes_used
+
+
+def test_relay_kv_copy_leaves_the_object_store_at_the_handoff(graph, ref_engine):
+    """Item 2: Prefill's object-store copy of the prompt KV (for RLD) is freed when RLD is cut at
+    the handoff, not when the request ends: MD goes on decoding while the store no longer holds it."""
+    prompt, n = _prompt(6, 1500), 1500
+    kv_bytes = -(-len(prompt) // 16) * ref_engine.layout.block_bytes  # ~3 MB
+    base = _plasma_bytes()
+    samples: list[tuple[int, int, int]] = []  # (relay live, MD running, object store bytes)
+    out: dict = {}
+
+    def run() -> None:
+        out["r"] = _stream(graph, prompt, n, {"pipeline": "P-RLD-MD", "handoff_mode": "one-shot"})
+
+    t = threading.Thread(target=run)
+    t.start()
+    while t.is_alive():
+        relay = _handle("Relay").stats.remote().result(timeout_s=30)
+        md = sum(_handle(f"MainDecode{i}").stats.remote().result(timeout_s=30).running for i in (0, 1))
+        samples.append((len(relay.extra["live"]), md, _plasma_bytes() - base))
+        time.sleep(0.2)
+    t.join()
+    ids, info = out["r"]
+    assert ids == _ref(ref_engine, prompt, n), info
+    assert info["handoff_mode"] == "one-shot" and info["md_tokens"] > 0, info
+    relay_phase = [b for live, _, b in samples if live]
+    md_phase = [b for live, md, b in samples if not live and md]  # RLD cut, MD decoding
+    assert relay_phase and max(relay_phase) >= 0.9 * kv_bytes, (kv_bytes, samples)  # the copy was there
+    assert len(md_phase) >= 3, samples
+    # freed within a moment of the cut (Ray's release is asynchronous), while MD still decodes
+    assert min(md_phase) < kv_bytes / 2 and md_phase[-1] < kv_bytes / 2, (kv_bytes, samples)
+
+
+@pytest.mark.parametrize("pipeline", ["P-RLD-MD", "P-RLD"])
+def test_relay_killed_mid_stream_md_takes_over(graph, ref_engine, pipeline):
+    """The relay's process dies a few tokens into the stream (every stream it held dies with it):
+    MD takes the request from the committed token ids; the Router's relay count stays true."""
+    _handle("Relay").inject.remote("die_mid_stream", 4).result(timeout_s=30)
+    prompt, n = _prompt(7 if pipeline == "P-RLD" else 8, 1200), 300
+    ids, info = _stream(graph, prompt, n, {"pipeline": pipeline, **({"handoff_mode": "one-shot"}
+                                                                      if pipeline == "P-RLD-MD" else {})})
+    assert ids == _ref(ref_engine, prompt, n), info
+    assert "relay_lost" in info["fallbacks"] and info["md_tokens"] > 0, info
+    assert _handle("Router").stats.remote().result(timeout_s=30)["relay_running"] == 0
+    _wait_healthy(graph, 60)
+    deadline = time.monotonic() + 180  # Serve restores the relay before the next test
+    while time.monotonic() < deadline:
+        try:
+            _handle("Relay").stats.remote().result(timeout_s=10)
+            break
+        except Exception:  # noqa: BLE001 - still restarting
+            time.sleep(2)

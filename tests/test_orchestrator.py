@@ -47,6 +47,8 @@ class InProcessBackends:
         # fault injection (counts of failures still to inject)
         self.fail_md_after: dict[int, int] = {}  # MD index -> die after this many chunks
         self.lose_kv = 0  # transfers that never arrive
+        self.abort_kv = 0  # transfers whose sender aborts mid-stream (Flight's `abort` action)
+        self.kv_aborted: set[str] = set()
         self.fail_prefill = 0
         self.fail_relay = 0
         self.fail_relay_after = 0  # the relay dies after this many chunks (0: never)
@@ -64,6 +66,7 @@ class InProcessBackends:
         if old is not None:  # a re-delivery: start over
             await self.mws[i].release(old, cache=False)
             self.kv_runs.pop(req.request_id, None)
+        self.kv_aborted.discard(req.request_id)  # a new expect: the old transfer's abort is gone
         seq = self.mds[i].add(req.request_id, list(req.prompt_token_ids), req.params)
         hit = self.mds[i].match_prefix(seq, planned_start)
         self.md_seqs[i][req.request_id] = seq
@@ -91,6 +94,8 @@ class InProcessBackends:
             await asyncio.sleep(0.005)
         seq = self.md_seqs[i][rid]
         while seq.num_computed < seq.prompt_len:
+            if rid in self.kv_aborted:
+                return KVReady(False, error="TransferAborted: the sender aborted the transfer")
             blocks = self._landed(rid)
             if blocks is not None:
                 async with self.import_locks.setdefault(rid, asyncio.Lock()):  # like MD's single receive task
@@ -115,7 +120,9 @@ class InProcessBackends:
 
     async def md_decode(self, i, rid, committed, timeout_s):
         self.calls.append(f"decode{i}:{len(committed)}")
-        await self.md_wait_kv(i, rid, timeout_s)
+        ready = await self.md_wait_kv(i, rid, timeout_s)
+        if not ready.ok:  # as MD's `_ready`: the router's fault path takes over
+            raise TimeoutError(ready.error)
         seq = self.md_seqs[i][rid]
         try:
             tok = await self.mws[i].call(self.mds[i].extend, seq, list(committed[len(seq.output_ids):]))
@@ -170,6 +177,11 @@ class InProcessBackends:
                 await asyncio.sleep(self.wan_delay_s)
                 if self.lose_kv:  # the WAN cut mid-transfer: it never completes
                     self.lose_kv -= 1
+                    return
+                if self.abort_kv:  # prefill failed mid-stream: the sender says so, MD's wait fails now
+                    self.abort_kv -= 1
+                    self.kv_aborted.add(req.request_id)
+                    self.kv_event.setdefault(req.request_id, asyncio.Event()).set()
                     return
                 self.kv_runs.setdefault(req.request_id, []).append(delta)
                 self.kv_event.setdefault(req.request_id, asyncio.Event()).set()
@@ -606,3 +618,209 @@ def test_relay_path_faults_lose_no_token(model_dir, forced, fault):
     assert kind in st.info.fallbacks, st.info
     assert all(not d for d in b.md_seqs) and orch.relay_running == 0
     assert b.r.pool.num_free == b.r.pool.num_blocks
+
+
+@pytest.mark.parametrize("forced, relay_dies", [
+    ({"pipeline": "P-RLD-MD", "handoff_mode": "one-shot"}, False),
+    ({"pipeline": "P-RLD-MD", "handoff_mode": "catch-up"}, False),
+    ({"pipeline": "P-RLD"}, True),  # the relay dies: MD takes the request over
+])
+def test_the_relays_kv_copy_is_freed_when_the_relay_is_cut(model_dir, forced, relay_dies):
+    """Item 2: the prompt KV Prefill put in the object store for RLD (here the KVBlocks object the
+    in-process Prefill hands over) is dropped once RLD is cut or ends, while MD still decodes."""
+    import gc
+    import weakref
+
+    b = InProcessBackends(model_dir, num_md=1, wan_delay_s=0.2, relay_step_s=0.01)
+    if relay_dies:
+        b.fail_relay_after = 4
+    refs: list[weakref.ref] = []
+    prefill = b.prefill
+
+    async def tracked(preq):
+        res = await prefill(preq)
+        if res.kv_ref is not None:
+            refs.append(weakref.ref(res.kv_ref))
+        return res
+
+    b.prefill = tracked
+    orch = _orch(b, handoff_batch_tokens=1, handoff_token_threshold=4)
+    prompt = _prompt(120, 48)
+    ref = Engine.from_pretrained(model_dir).generate(prompt, 80)
+
+    async def main():
+        await orch.refresh_views()
+        st = RequestState(GenRequest("kv1", tuple(prompt), SamplingParams(80)))
+        out, alive_while_md_decodes = [], []
+        async for toks in orch.run(st, forced):
+            out += toks
+            if st.info.md_tokens >= 20 and not alive_while_md_decodes:  # well after the cut (RLD's
+                gc.collect()  # own cleanup may still run at MD's first token), long before the end
+                alive_while_md_decodes.append(refs[0]() is not None)
+        await asyncio.gather(*orch.bg, return_exceptions=True)
+        return out, st, alive_while_md_decodes
+
+    out, st, alive = asyncio.run(main())
+    assert out == ref, st.info
+    assert refs and alive == [False], f"the relay's KV copy was still held while MD decoded ({st.info})"
+    if relay_dies:
+        assert "relay_lost" in st.info.fallbacks
+
+
+# ---------------------------------------------------------------- full pools and bad requests (item 13 leftovers)
+
+
+def _full_md_prepare(b, full: set[int]):
+    from pdd_serve.engine.kv import PoolFullError
+
+    real = b.md_prepare
+
+    async def prepare(i, req, planned_start):
+        if i in full:
+            raise PoolFullError(f"MD {i}: the KV pool is full")
+        return await real(i, req, planned_start)
+
+    b.md_prepare = prepare
+
+
+def test_a_full_md_is_not_marked_failed_and_the_request_goes_elsewhere(model_dir):
+    b = InProcessBackends(model_dir, num_md=2, wan_delay_s=0.05, relay_step_s=0.0)
+    _full_md_prepare(b, {0})
+    orch = _orch(b, pipelines=("P-MD",), kv_wait_timeout_s=2.0)
+    prompt = _prompt(60, 49)
+    ref = Engine.from_pretrained(model_dir).generate(prompt, 20)
+
+    async def main():
+        await orch.refresh_views()
+        orch.index.entries[1].view = dataclasses.replace(orch.index.entries[1].view, running=50)  # pick MD 0
+        out, st = await _run(orch, prompt, 20, fresh_view=False)
+        return out, st
+
+    out, st = asyncio.run(main())
+    assert out == ref, st.info
+    assert "md_full" in st.info.fallbacks and st.info.md_replica == 1, st.info
+    assert orch.index.failures.get(0, 0) == 0  # busy is not dead: MD 0's view stands
+    assert all(not d for d in b.md_seqs)
+
+
+def test_every_pool_full_is_overloaded_not_a_fault(model_dir):
+    """No MD can admit the request and neither can the relay: the orchestrator raises Overloaded
+    (the router's 503 + Retry-After) before any token, and leaves nothing behind."""
+    from pdd_serve.engine.kv import PoolFullError
+    from pdd_serve.serve.orchestrator import Overloaded, is_overloaded
+
+    b = InProcessBackends(model_dir, num_md=2, wan_delay_s=0.05)
+    _full_md_prepare(b, {0, 1})
+    real_relay = b.relay
+
+    async def full_relay(rreq):
+        raise PoolFullError("relay: the KV pool is full")
+        yield  # an async generator, like the real stream
+
+    b.relay = full_relay
+    orch = _orch(b, pipelines=("P-MD", "P-RLD-MD"), kv_wait_timeout_s=2.0)
+    prompt = _prompt(60, 50)
+
+    async def main():
+        await orch.refresh_views()
+        st = RequestState(GenRequest("full", tuple(prompt), SamplingParams(20)))
+        out = []
+        with pytest.raises(Overloaded) as ei:
+            async for toks in orch.run(st, {"pipeline": "P-MD"}):
+                out += toks
+        await asyncio.gather(*orch.bg, return_exceptions=True)
+        return out, st, ei.value
+
+    out, st, err = asyncio.run(main())
+    assert out == [] and is_overloaded(err)  # P->MD holds P's first token: the client saw nothing
+    assert "md_full" in st.info.fallbacks and orch.index.failures.get(0, 0) == orch.index.failures.get(1, 0) == 0
+    assert all(not d for d in b.md_seqs) and orch.relay_running == 0
+    b.relay = real_relay
+
+
+@pytest.mark.parametrize("where", ["md", "relay"])
+def test_a_request_error_while_decoding_fails_the_request_and_is_not_migrated(model_dir, where):
+    """Non-finite logits (a RequestError) mid-decode: the request's own fault, so it fails (a 400)
+    at once; it is not migrated to another MD or handed to the relay as an infrastructure fault."""
+    from pdd_serve.engine.sampling import RequestError
+    from pdd_serve.serve.orchestrator import is_request_error
+
+    b = InProcessBackends(model_dir, num_md=2, wan_delay_s=0.2, relay_step_s=0.01)
+    real_decode, real_relay = b.md_decode, b.relay
+
+    async def bad_md(i, rid, committed, timeout_s):
+        n = 0
+        async for chunk in real_decode(i, rid, committed, timeout_s):
+            yield chunk
+            n += 1
+            if n == 3:
+                raise RequestError("non-finite logits (inf/NaN) while sampling")
+
+    async def bad_relay(rreq):
+        n = 0
+        async for chunk in real_relay(rreq):
+            yield chunk
+            n += 1
+            if n == 3:
+                raise RequestError("non-finite logits (inf/NaN) while sampling")
+
+    if where == "md":
+        b.md_decode = bad_md
+    else:
+        b.relay = bad_relay
+    orch = _orch(b)
+    prompt = _prompt(60, 51)
+    forced = {"pipeline": "P-MD"} if where == "md" else {"pipeline": "P-RLD-MD"}
+
+    async def main():
+        await orch.refresh_views()
+        st = RequestState(GenRequest("bad", tuple(prompt), SamplingParams(40)))
+        with pytest.raises(Exception) as ei:
+            async for _ in orch.run(st, forced):
+                pass
+        await asyncio.gather(*orch.bg, return_exceptions=True)
+        await asyncio.sleep(0.1)
+        return st, ei.value
+
+    st, err = asyncio.run(main())
+    assert is_request_error(err), repr(err)
+    assert not st.info.fallbacks, st.info.fallbacks  # no migration, no relay takeover
+    assert all(not d for d in b.md_seqs) and orch.relay_running == 0
+    assert b.r.pool.num_free == b.r.pool.num_blocks
+
+
+def test_router_maps_full_pools_to_503_and_request_errors_to_400():
+    from pdd_serve.engine.kv import PoolFullError
+    from pdd_serve.engine.sampling import RequestError
+    from pdd_serve.serve.orchestrator import Overloaded
+    from pdd_serve.serve.router import client_error
+
+    class Wrapped(RuntimeError):  # how Ray hands back a replica's exception
+        def __init__(self, cause):
+            super().__init__("Traceback ... /home/secret/path.py")
+            self.cause = cause
+
+    for e in (Overloaded("all full"), Wrapped(PoolFullError("full"))):
+        err = client_error(e, "cmpl-1")
+        assert err.status == 503 and err.type == "overloaded_error" and int(err.headers()["Retry-After"]) >= 1
+    err = client_error(Wrapped(RequestError("non-finite logits")), "cmpl-1")
+    assert err.status == 400 and "non-finite" in err.message
+    err = client_error(Wrapped(RuntimeError("boom")), "cmpl-1")
+    assert err.status == 500 and "secret" not in err.message and "cmpl-1" in err.message
+
+
+@pytest.mark.parametrize("pipeline", ["P-MD", "P-RLD-MD"])
+def test_an_aborted_transfer_takes_the_fallback_at_once(model_dir, pipeline):
+    """Item 3: the sender aborts mid-stream (prefill failed): MD's KV wait fails now, so the router
+    re-delivers (P->MD) or lets RLD finish (P->RLD->MD) long before the KV wait's timeout."""
+    b = InProcessBackends(model_dir, num_md=2, wan_delay_s=0.1, relay_step_s=0.01)
+    b.abort_kv = 1
+    orch = _orch(b, kv_wait_timeout_s=20.0)
+    prompt = _prompt(80, 52)
+    ref = Engine.from_pretrained(model_dir).generate(prompt, 40)
+    t0 = time.monotonic()
+    out, st = asyncio.run(_run(orch, prompt, 40, {"pipeline": pipeline}))
+    assert out == ref, st.info
+    assert st.info.fallbacks == ["kv_timeout"] and "aborted" in st.info.fallback, st.info
+    assert time.monotonic() - t0 < 10  # not the 20 s KV wait
+    assert all(not d for d in b.md_seqs) and orch.relay_running == 0

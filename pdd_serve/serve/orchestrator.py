@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
 from pdd_serve.config import PDDConfig
-from pdd_serve.engine.kv import block_hashes, blocks_needed
+from pdd_serve.engine.kv import PoolFullError, block_hashes, blocks_needed
 from pdd_serve.engine.sampling import RequestError
 from pdd_serve.policy import (
     LinkEstimate,
@@ -49,6 +49,25 @@ class RelayLost(RuntimeError):
     """RLD failed mid-stream (its replica died, or it refused the request): MD takes over."""
 
 
+class Overloaded(RuntimeError):
+    """Every pool that could take the request is full now: not a fault, and not the client's.
+    The Router answers 503 + Retry-After."""
+
+
+def _cause(e: BaseException) -> BaseException:
+    return getattr(e, "cause", None) or e  # Ray wraps a replica's exception (RayTaskError)
+
+
+def is_request_error(e: BaseException) -> bool:
+    """The request itself is bad (e.g. non-finite logits): a 400, never migrated as a fault."""
+    return isinstance(e, RequestError) or isinstance(_cause(e), RequestError)
+
+
+def is_overloaded(e: BaseException) -> bool:
+    """A pool could not admit the request now (PoolFullError): retry later, not a dead replica."""
+    return any(isinstance(x, (PoolFullError, Overloaded)) for x in (e, _cause(e)))
+
+
 def _spawn(aw: Awaitable[T]) -> asyncio.Future[T]:
     """A task whose exception is always retrieved (a cancelled relay read may fail after the cut)."""
     fut = asyncio.ensure_future(aw)
@@ -76,6 +95,8 @@ class _RelayReader:
                     continue
                 toks, self.finished = self.o._take(self.st, self.nxt)
             except Exception as e:  # noqa: BLE001 - the relay's failure, whatever it raised
+                if is_request_error(e):  # the request's own fault: MD would fail it the same way
+                    raise
                 raise RelayLost(f"{type(e).__name__}: {e}") from e
             if toks:
                 yield toks
@@ -88,6 +109,9 @@ class _RelayReader:
         if not self.nxt.done():
             self.nxt.cancel()
         await Orchestrator._close(self.it)
+        # let go of the stream and its last read: a cancelled read's traceback holds the stream's
+        # frames, and through them its request (with the KV's ObjectRef) for as long as MD decodes
+        self.it = self.nxt = None
 
 
 class Backends(Protocol):
@@ -223,8 +247,10 @@ class Orchestrator:
                     if redo.pipeline == "P-RLD-MD":
                         dec = replace(redo, reason=f"late (the view was stale): {redo.reason}")
                         info.pipeline, info.reason = dec.pipeline, dec.reason
-            if dec.pipeline == "P-MD" and pre.kv_ref is not None:
-                pre = replace(pre, kv_ref=None)  # not needed after all: free the object-store copy now
+            # the relay's copy of the prompt KV (an ObjectRef: holding it pins the object store copy).
+            # Only the relay's call keeps it from here, so it is freed when RLD is cut or ends, not
+            # when the request does (on P->MD it was not needed after all: freed now)
+            kv_ref, pre = pre.kv_ref, replace(pre, kv_ref=None)
             if prep is not None:
                 self._background(self._settle_prepare(st, md, prep, target))
             if pre.link_bps:  # Prefill's live view of the line
@@ -247,9 +273,10 @@ class Orchestrator:
             if dec.pipeline == "P-MD":
                 inner = self._from_md_recovering(st, md)
             elif dec.pipeline == "P-RLD":
-                inner = self._from_relay_recovering(st, pre.kv_ref)
+                inner = self._from_relay_recovering(st, kv_ref)
             else:
-                inner = self._relay_then_md(st, md, pre, forced.get("handoff_mode"))
+                inner = self._relay_then_md(st, md, kv_ref, forced.get("handoff_mode"))
+            kv_ref = None
             # close the inner stream explicitly when the client leaves: its cleanup (cancel RLD,
             # stop MD) must not wait for garbage collection
             async with contextlib.aclosing(inner):
@@ -288,11 +315,15 @@ class Orchestrator:
         """Commit and yield a decoder's chunks until its finish; a silent or truncated stream raises
         (the caller's fault path takes over from `committed`)."""
         while True:
+            silence = asyncio.timeout(self.timeout)
             try:
-                chunk = await asyncio.wait_for(it.__anext__(), timeout=self.timeout)
+                async with silence:
+                    chunk = await it.__anext__()
             except StopAsyncIteration:
                 raise RuntimeError(f"{who} ended the stream of {st.gen.request_id} without a finish") from None
-            except asyncio.TimeoutError:
+            except TimeoutError:
+                if not silence.expired():  # the decoder's own error (MD's KV wait failed: its reason)
+                    raise
                 raise TimeoutError(f"{who} sent nothing for {self.timeout:.0f}s") from None
             st.committed.extend(chunk.token_ids)
             if chunk.finish_reason is not None:
@@ -329,6 +360,8 @@ class Orchestrator:
                         yield toks
                 return
             except Exception as e:  # noqa: BLE001 - any MD-side failure takes the same lever
+                if is_request_error(e):  # e.g. non-finite logits: the request fails anywhere (a 400)
+                    raise
                 kind = "kv_timeout" if isinstance(e, TimeoutError) else "md_lost"
                 self._fallback(st, kind, f"MD {md}: {type(e).__name__}: {e}")
                 self._background(self.b.md_abort(md, st.gen.request_id))
@@ -338,7 +371,10 @@ class Orchestrator:
                 try:
                     md = await self._redeliver(st, avoid=md)
                 except Exception as e2:  # noqa: BLE001
-                    self._fallback(st, "md_unavailable", f"{type(e2).__name__}: {e2}")
+                    self._fallback(st, "md_full" if is_overloaded(e2) else "md_unavailable",
+                                   f"{type(e2).__name__}: {e2}")
+                    if is_overloaded(e2) and not self.cfg.uses_relay:
+                        raise Overloaded(f"no main decode replica can admit {st.gen.request_id} now") from e2
                     break
         async with contextlib.aclosing(self._relay_takeover(st)) as stream:
             async for toks in stream:
@@ -347,6 +383,7 @@ class Orchestrator:
     async def _from_relay(self, st: RequestState, kv_ref: Any) -> AsyncIterator[list[int]]:
         """RLD streams from the committed tokens to the end (P->RLD, or a takeover)."""
         it = self.b.relay(RelayRequest(st.gen, tuple(st.committed), kv_ref)).__aiter__()
+        del kv_ref  # RLD's call holds the object store copy until it ends (item 2)
         self.relay_running += 1
         try:
             async with contextlib.aclosing(self._to_end(st, it, "relay")) as chunks:
@@ -361,14 +398,18 @@ class Orchestrator:
     async def _from_relay_recovering(self, st: RequestState, kv_ref: Any) -> AsyncIterator[list[int]]:
         """P->RLD, surviving the relay's loss: an MD takes the request from the committed token
         ids (P sends it the KV it lacks), as in any migration; the WAN carries it after all."""
+        relay = self._from_relay(st, kv_ref)
+        del kv_ref  # only the relay stream holds the object store copy: it goes when RLD ends
         try:
-            async with contextlib.aclosing(self._from_relay(st, kv_ref)) as stream:
+            async with contextlib.aclosing(relay) as stream:
                 async for toks in stream:
                     yield toks
             return
         except Exception as e:  # noqa: BLE001 - whatever the relay raised, the committed ids survive
+            if is_request_error(e):
+                raise
             self._fallback(st, "relay_lost", f"{type(e).__name__}: {e}")
-        del kv_ref  # the relay's copy of the prompt KV is no use now
+        del relay
         md = await self._redeliver(st, avoid=-1)
         async with contextlib.aclosing(self._from_md_recovering(st, md)) as stream:
             async for toks in stream:
@@ -378,10 +419,15 @@ class Orchestrator:
         """Last resort: P recomputes the prompt KV (mostly from its prefix cache) into the object
         store and RLD finishes the request from the committed tokens."""
         self._fallback(st, "relay_finish", st.info.fallback or "no MD can take the request")
-        pre = await self._prefill(st, PrefillRequest(st.gen, True, None))
-        async with contextlib.aclosing(self._from_relay(st, pre.kv_ref)) as stream:
-            async for toks in stream:
-                yield toks
+        relay = self._from_relay(st, (await self._prefill(st, PrefillRequest(st.gen, True, None))).kv_ref)
+        try:
+            async with contextlib.aclosing(relay) as stream:
+                async for toks in stream:
+                    yield toks
+        except Exception as e:
+            if is_overloaded(e):  # MDs and the relay are all full: the client retries later (503)
+                raise Overloaded(f"neither main decode nor the relay can admit {st.gen.request_id} now") from e
+            raise
 
     async def _redeliver(self, st: RequestState, avoid: int) -> int:
         """Register the request at a (preferably other) MD and have P resend the KV it lacks."""
@@ -408,8 +454,10 @@ class Orchestrator:
         try:
             reply: MDPrepareReply = await prep
         except Exception as e:  # noqa: BLE001
-            self._fallback(st, "md_unavailable", f"MD {md} prepare: {type(e).__name__}: {e}")
-            self.index.failed(md)
+            full = is_overloaded(e)  # a full pool is a busy MD, not a dead one: its view stands
+            self._fallback(st, "md_full" if full else "md_unavailable", f"MD {md} prepare: {type(e).__name__}: {e}")
+            if not full:
+                self.index.failed(md)
             await self.b.md_abort(md, st.gen.request_id)
             return
         st.info.prefix_hit_md = reply.hit_tokens / len(st.gen.prompt_token_ids)
@@ -449,9 +497,10 @@ class Orchestrator:
 
         await asyncio.gather(*(one(i) for i in range(self.b.num_md)))
 
-    async def _relay_then_md(self, st: RequestState, md: int, pre: PrefillResult,
+    async def _relay_then_md(self, st: RequestState, md: int, kv_ref: Any,
                              forced_mode: str | None) -> AsyncIterator[list[int]]:
-        relay = _RelayReader(self, st, self.b.relay(RelayRequest(st.gen, tuple(st.committed), pre.kv_ref)))
+        relay = _RelayReader(self, st, self.b.relay(RelayRequest(st.gen, tuple(st.committed), kv_ref)))
+        del kv_ref  # RLD's call holds the object store copy: freed at the cut, while MD decodes on
         self.relay_running += 1
         kv: asyncio.Future = _spawn(self.b.md_wait_kv(md, st.gen.request_id, self.timeout))
         try:
@@ -513,6 +562,8 @@ class Orchestrator:
                 try:
                     md_has = batch.result()
                 except Exception as e:  # noqa: BLE001 - MD failed mid-handoff: RLD is still running
+                    if is_request_error(e):
+                        raise
                     self._fallback(st, "md_lost", f"catch-up batch: {type(e).__name__}: {e}")
                     st.info.handoff_mode = "none"
                     self._background(self.b.md_abort(md, rid))
@@ -545,13 +596,18 @@ class Orchestrator:
         (only where the router has no view of the MD it picked)."""
         order = [first] + [s.index for s in sorted(statuses, key=lambda s: (not s.healthy, s.running))
                            if s.index != first]
+        full = True
         for i in order:
             try:
                 return await self._bounded(self.b.md_prepare(i, st.gen, None), "MD prepare")
-            except Exception as e:  # noqa: BLE001 - a dead or restarting MD: try the next
-                self.index.failed(i)
-                self._fallback(st, "md_unavailable", f"MD {i}: {type(e).__name__}: {e}")
+            except Exception as e:  # noqa: BLE001 - a dead, restarting or full MD: try the next
+                if not is_overloaded(e):  # a full MD is alive: its view stands
+                    full = False
+                    self.index.failed(i)
+                self._fallback(st, "md_full" if is_overloaded(e) else "md_unavailable", f"MD {i}: {type(e).__name__}: {e}")
         if not self.cfg.uses_relay:
+            if full:
+                raise Overloaded("every main decode replica's KV pool is full")
             raise RuntimeError("no main decode replica answered and this graph has no relay")
         return None
 
@@ -565,9 +621,13 @@ class Orchestrator:
             except (RequestError, ValueError):
                 raise  # the request itself is bad: no retry helps
             except Exception as e:  # noqa: BLE001
+                if is_request_error(e):
+                    raise
                 last = e
-                self._fallback(st, "prefill_retry", f"{type(e).__name__}: {e}")
+                self._fallback(st, "prefill_full" if is_overloaded(e) else "prefill_retry", f"{type(e).__name__}: {e}")
                 await asyncio.sleep(min(2.0, 0.25 * 2**attempt))
+        if last is not None and is_overloaded(last):  # Prefill's pool stayed full: retry later (503)
+            raise Overloaded(f"Prefill's KV pool stayed full over {1 + self.cfg.policy.prefill_retries} attempts") from last
         raise RuntimeError(f"prefill failed after {1 + self.cfg.policy.prefill_retries} attempts: {last}")
 
     def _fallback(self, st: RequestState, kind: str, detail: str) -> None:

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator
 
 from ray import serve
 
 from pdd_serve.config import PDDConfig
 from pdd_serve.engine.scheduler import EngineWorker
-from pdd_serve.serve.common import load_engine, placement
+from pdd_serve.serve.common import load_engine, logger, placement
 from pdd_serve.serve.messages import RelayRequest, ReplicaStats, TokenChunk
 
 
@@ -31,6 +32,7 @@ class Relay:
         self.tokens_generated = 0
         self.live: set[str] = set()  # requests holding KV here
         self.peak_live = 0
+        self.die_after: int | None = None  # injected: the process exits after this many more tokens
 
     async def generate(self, rreq: RelayRequest) -> AsyncIterator[TokenChunk]:
         """Decode from the prompt KV in the object store, after the `committed` tokens, until the
@@ -64,6 +66,7 @@ class Relay:
                 async with contextlib.aclosing(self.worker.decode(seq)) as steps:
                     async for step in steps:
                         self.tokens_generated += len(step.token_ids)
+                        self._maybe_die(len(step.token_ids))
                         if step.finish_reason is not None:
                             final = TokenChunk(step.token_ids, step.finish_reason)
                             break
@@ -73,6 +76,23 @@ class Relay:
             self.live.discard(req.request_id)
         if final is not None:  # after the release: nothing is left to clean once the caller has it
             yield final
+
+    def inject(self, fault: str, after_tokens: int = 4) -> None:
+        """Fault injection for tests and the soak (policy.allow_fault_injection): `die_mid_stream`
+        kills this replica's process once it has decoded `after_tokens` more tokens, so the death
+        lands in the middle of a relay stream (every stream it holds dies with it, as on a lost host)."""
+        if not self.cfg.policy.allow_fault_injection:
+            raise PermissionError("fault injection is off (policy.allow_fault_injection)")
+        if fault != "die_mid_stream":
+            raise ValueError(f"unknown relay fault {fault!r}")
+        self.die_after = max(1, after_tokens)
+
+    def _maybe_die(self, tokens: int) -> None:
+        if self.die_after is not None:
+            self.die_after -= tokens
+            if self.die_after <= 0:
+                logger.warning("injected fault: relay replica exits mid-stream")
+                os._exit(1)
 
     def stats(self) -> ReplicaStats:
         e = self.engine

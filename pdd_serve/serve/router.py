@@ -4,10 +4,11 @@ No `from __future__ import annotations` here: FastAPI reads the route signatures
 """
 
 import asyncio
+import contextlib
 import functools
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -23,9 +24,20 @@ from pdd_serve.serve import openai_api as oai
 from pdd_serve.serve.common import logger
 from pdd_serve.serve.crosssite import site_handle
 from pdd_serve.serve.messages import GenRequest
-from pdd_serve.serve.orchestrator import Orchestrator, RequestState
+from pdd_serve.serve.orchestrator import Orchestrator, RequestState, is_overloaded
 
 api = FastAPI(title="pdd_serve", description="PDD: Prefill -> Relay decode -> Main decode, OpenAI-compatible API")
+POOL_FULL_RETRY_AFTER_S = 1.0  # a pool frees as its requests finish: seconds, not minutes
+
+
+def client_error(e: BaseException, request_id: str) -> oai.APIError:
+    """What a client sees of a failed request: 503 + Retry-After when every KV pool that could
+    take it was full (capacity, not a fault: retry), a 400 for a request the engine refuses, a
+    generic 500 naming the request id otherwise (oai.internal_error)."""
+    if is_overloaded(e):
+        return oai.APIError(503, "overloaded_error", "every KV pool that could serve this request is full now; "
+                            "retry later", code="pool_full", retry_after=POOL_FULL_RETRY_AFTER_S)
+    return oai.internal_error(e, request_id)
 
 
 class ServeBackends:
@@ -171,9 +183,26 @@ class Router:
             raise
         rid = oai.new_request_id(kind)
         st = RequestState(GenRequest(f"{rid}-{uuid.uuid4().hex[:6]}", creq.prompt_token_ids, params))
-        if creq.stream:
-            return StreamingResponse(self._stream(creq, st, rid), media_type="text/event-stream")
-        return await self._complete(creq, st, rid)
+        if not creq.stream:
+            return await self._complete(creq, st, rid)
+        # admission happens before the first token: wait for it before the 200 goes out, so a
+        # request no pool can take now still gets a real 503 (a stream can only report in-band)
+        tokens = self._tokens(creq, st)
+        try:
+            head = [await tokens.__anext__()]
+        except StopAsyncIteration:
+            head = []
+        except Exception as e:
+            logger.exception("request %s failed", st.gen.request_id)
+            err = self._refused(e, st)
+            return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
+        return StreamingResponse(self._stream(creq, st, rid, head, tokens), media_type="text/event-stream")
+
+    def _refused(self, e: BaseException, st: RequestState) -> oai.APIError:
+        err = client_error(e, st.gen.request_id)
+        if err.status == 503:
+            self.metrics.rejected.inc(tags={"reason": "pool_full"})
+        return err
 
     async def _tokens(self, creq: oai.CompletionRequest, st: RequestState) -> AsyncIterator[tuple[str, int | None]]:
         """(text delta, token id) per token (id None for the final flush), string stops applied."""
@@ -211,8 +240,8 @@ class Router:
                     ids.append(tok)
         except Exception as e:
             logger.exception("request %s failed", st.gen.request_id)
-            err = oai.internal_error(e, st.gen.request_id)  # no exception text to the client
-            return JSONResponse(err.body(), status_code=err.status)
+            err = self._refused(e, st)  # no exception text to the client
+            return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
         body = oai.completion_response(rid, self.created, creq.model, creq.kind, "".join(parts),
                                        st.finish_reason or "stop", len(creq.prompt_token_ids), len(st.committed),
                                        extra={"pdd": oai.pdd_facts(st.info.as_dict(), creq)})
@@ -220,19 +249,31 @@ class Router:
             body["choices"][0]["token_ids"] = ids
         return JSONResponse(body)
 
-    async def _stream(self, creq: oai.CompletionRequest, st: RequestState, rid: str) -> AsyncIterator[bytes]:
+    async def _stream(self, creq: oai.CompletionRequest, st: RequestState, rid: str, head: list,
+                      tokens: AsyncGenerator[tuple[str, int | None], None]) -> AsyncIterator[bytes]:
         first = True
         pending: list[int] = []  # token ids whose text the detokenizer still holds back
+
+        async def all_tokens() -> AsyncIterator[tuple[str, int | None]]:
+            try:
+                for item in head:  # what _handle read before the 200 went out
+                    yield item
+                async for item in tokens:
+                    yield item
+            finally:  # the client leaving stops the request now, not at garbage collection
+                await tokens.aclose()
+
         try:
-            async for delta, tok in self._tokens(creq, st):
-                if tok is not None:
-                    pending.append(tok)
-                if delta or first:
-                    chunk = oai.completion_chunk(rid, self.created, creq.model, creq.kind, delta, None, first=first)
-                    if creq.return_token_ids:
-                        chunk["choices"][0]["token_ids"], pending = pending, []
-                    yield oai.sse(chunk)
-                    first = False
+            async with contextlib.aclosing(all_tokens()) as items:
+                async for delta, tok in items:
+                    if tok is not None:
+                        pending.append(tok)
+                    if delta or first:
+                        chunk = oai.completion_chunk(rid, self.created, creq.model, creq.kind, delta, None, first=first)
+                        if creq.return_token_ids:
+                            chunk["choices"][0]["token_ids"], pending = pending, []
+                        yield oai.sse(chunk)
+                        first = False
             last = oai.completion_chunk(rid, self.created, creq.model, creq.kind, "", st.finish_reason or "stop",
                                         extra={"pdd": oai.pdd_facts(st.info.as_dict(), creq)}, first=first)
             if creq.return_token_ids:
@@ -243,5 +284,5 @@ class Router:
                                               len(st.committed)))
         except Exception as e:  # headers are sent: report in-band, OpenAI style
             logger.exception("stream %s failed", st.gen.request_id)
-            yield oai.sse(oai.internal_error(e, st.gen.request_id).body())  # no exception text to the client
+            yield oai.sse(self._refused(e, st).body())  # no exception text to the client
         yield oai.SSE_DONE

@@ -9,6 +9,10 @@ Protocol (one DoPut per stream, descriptor path `["pdd.kv", request_id]`):
 - A broken stream loses nothing verified: the client asks the server which of its unacked blocks
   are still missing (action `missing`; acks may have died with the stream) and re-sends only those.
 - Re-sending a block the server holds is idempotent if identical and an error if different.
+- A push ends in one of two explicit ways: every block acked, or an `abort` action (the producer
+  failed: prefill raised or was cancelled). An abort fails the receiver's `wait_complete` at once
+  (`TransferAborted`) and refuses later batches, so MD falls back now instead of at its timeout.
+  Only a dead sender process or link ends a transfer silently; MD's bounded wait covers those.
 
 Every call carries the bearer token and a deadline. Errors cross the wire as `pdd.kv/<code>: ...`
 and come back to the caller as a typed `TransportError`.
@@ -17,6 +21,8 @@ and come back to the caller as a typed `TransportError`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import hmac
 import json
 import re
@@ -95,7 +101,18 @@ class StreamBroken(TransportError):
     code = "broken"
 
 
-_TYPED = {c.code: c for c in (AuthError, UnknownRequestError, CapacityError, TransferTimeout)}
+class TransferAborted(TransportError):
+    """The sender aborted the transfer (its producer failed): the blocks will never all arrive."""
+
+    code = "aborted"
+
+
+class SenderAborted(Exception):
+    """Raised by a push's feed when its producer gave up (prefill failed or was cancelled): the
+    client then tells the receiver (action `abort`) before it re-raises this."""
+
+
+_TYPED = {c.code: c for c in (AuthError, UnknownRequestError, CapacityError, TransferTimeout, TransferAborted)}
 
 
 def _fail(code: str, msg: str) -> Exception:
@@ -118,6 +135,15 @@ def _codec_code(e: CodecError) -> str:
 
 def kv_descriptor(request_id: str) -> flight.FlightDescriptor:
     return flight.FlightDescriptor.for_path(DESCRIPTOR_ROOT, request_id)
+
+
+def abort_mac(key: str | bytes, request_id: str) -> str:
+    """The abort action's MAC (hex): with the graph's key set, the Flight token alone can't abort
+    another request's transfer, as it can't write its KV (codec.batch_mac)."""
+    k = key.encode() if isinstance(key, str) else key
+    h = hashlib.blake2b(key=hashlib.sha256(k).digest(), digest_size=32, person=b"pdd.kv.abort.v1")
+    h.update(request_id.encode())
+    return h.hexdigest()
 
 
 def _same_block(runs: list[KVBlocks], kv: KVBlocks, i: int) -> bool:
@@ -234,6 +260,7 @@ class _Transfer:
     batches_rejected: int = 0
     completed_at: float | None = None
     released: bool = False
+    aborted: str | None = None  # the sender's reason; set by its `abort`, final until MD releases
     done: threading.Event = field(default_factory=threading.Event)
     waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -266,7 +293,8 @@ class _Service(flight.FlightServerBase):
         return self._owner._do_action(action)
 
     def list_actions(self, context):  # noqa: ANN001
-        return [("missing", "JSON: which blocks of a request the server still lacks")]
+        return [("missing", "JSON: which blocks of a request the server still lacks"),
+                ("abort", "JSON {request_id, reason, mac}: the sender gave up; waiters fail at once")]
 
 
 def _default_advertise_host() -> str:
@@ -388,7 +416,7 @@ class KVFlightServer:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         with t.lock:
-            if t.completed_at is None and not t.released:
+            if t.completed_at is None and not t.released and t.aborted is None:
                 t.waiters.append((loop, fut))
             else:
                 fut.set_result(None)
@@ -407,6 +435,21 @@ class KVFlightServer:
         if not t.done.wait(timeout):
             raise self._timeout(t, timeout)
         return self._result(t)
+
+    def abort(self, request_id: str, reason: str) -> bool:
+        """The sender gave up on `request_id`: its waiters fail now with TransferAborted and later
+        batches are refused, until MD releases the request (a re-delivery expects it afresh).
+        False when there is nothing to abort (unknown, released, or already complete)."""
+        with self._lock:
+            t = self._transfers.get(request_id)
+        if t is None:
+            return False
+        with t.lock:
+            if t.completed_at is not None or t.released or t.aborted is not None:
+                return False
+            t.aborted, t.runs = reason[:200] or "no reason given", []  # nobody will load what came
+            self._wake(t)
+        return True
 
     def release(self, request_id: str) -> bool:
         """Forget a request and free its memory and reservation (waiters get UnknownRequestError).
@@ -457,6 +500,9 @@ class KVFlightServer:
         with t.lock:
             if t.released:
                 raise UnknownRequestError(f"request {t.request_id!r} was released")
+            if t.aborted is not None:
+                raise TransferAborted(f"request {t.request_id!r}: the sender aborted the transfer "
+                                      f"({int(t.have.sum())}/{t.num_blocks} blocks arrived): {t.aborted}")
             runs = tuple(sorted(t.runs, key=lambda r: r.start_block))
             return ReceivedKV(t.request_id, runs, t.bytes_received, t.blocks_received,
                               (t.completed_at or time.monotonic()) - t.created)
@@ -533,6 +579,8 @@ class KVFlightServer:
         with t.lock:
             if t.released:
                 raise _fail("unknown_request", f"request {t.request_id!r} was released")
+            if t.aborted is not None:
+                raise _fail("aborted", f"request {t.request_id!r}: the transfer was aborted")
             dup = t.have[lo:hi]
             for i in np.flatnonzero(dup).tolist():  # re-sends: fine if identical, an error if not
                 if not _same_block(t.runs, kv, i):
@@ -557,6 +605,8 @@ class KVFlightServer:
         return kv.start_block, kv.start_block + kv.num_blocks
 
     def _do_action(self, action: flight.Action) -> Iterator[bytes]:
+        if action.type == "abort":
+            return self._abort_action(action)
         if action.type != "missing":
             raise _fail("bad_action", f"unknown action {action.type!r}")
         try:
@@ -568,6 +618,19 @@ class KVFlightServer:
         except UnknownRequestError as e:
             raise _fail("unknown_request", str(e)) from None
         return iter([json.dumps({"missing": ranges}).encode()])
+
+    def _abort_action(self, action: flight.Action) -> Iterator[bytes]:
+        try:
+            body = json.loads(action.body.to_pybytes())
+            rid, reason, mac = str(body["request_id"]), str(body.get("reason", "")), str(body.get("mac", ""))
+        except (ValueError, KeyError, TypeError):
+            raise _fail("bad_action", "abort needs a JSON body {request_id, reason, mac}") from None
+        if self.mac_key is not None and not hmac.compare_digest(mac.encode(), abort_mac(self.mac_key, rid).encode()):
+            raise _fail("mac", f"abort of {rid[:_MAX_REQUEST_ID]!r}: the MAC does not verify")
+        # an abort may overtake MD's `expect` (prepare runs concurrently with prefill), as a push may
+        with contextlib.suppress(pa.ArrowKeyError):
+            self._lookup(rid, self.expect_wait_s)
+        return iter([json.dumps({"aborted": self.abort(rid, reason)}).encode()])
 
 
 # ---------------------------------------------------------------- client side
@@ -690,7 +753,8 @@ class KVFlightClient:
         """Stream every block of `feed` (runs, as prefill produces them) to the server.
 
         Returns once the server acked every block. Raises a TransportError subclass on refusal,
-        on the deadline, or when the stream keeps breaking past `max_retries` resumes.
+        on the deadline, or when the stream keeps breaking past `max_retries` resumes. A feed that
+        raises `SenderAborted` aborts the transfer at the server, then the error is re-raised.
         """
         return self._push(request_id, _Feed(feed, self.layout, self.batch_blocks), deadline_s)
 
@@ -703,8 +767,26 @@ class KVFlightClient:
         try:
             return await asyncio.to_thread(self._push, request_id, src, deadline_s)
         except asyncio.CancelledError:
-            src.abort.set()  # the thread stops at its next batch
+            src.abort.set()  # the thread stops at its next batch (it may be parked in the feed)
+            threading.Thread(target=self._tell_abort, args=(request_id, "the sender cancelled the push"),
+                             daemon=True).start()
             raise
+
+    def abort(self, request_id: str, reason: str, *, timeout_s: float = 5.0) -> bool:
+        """Tell the server this request's blocks will not all come (its waiters fail at once).
+        True when the server aborted a transfer; raises a TransportError if it could not be told."""
+        body = {"request_id": request_id, "reason": reason[:200],
+                "mac": abort_mac(self.mac_key, request_id) if self.mac_key is not None else ""}
+        client = self._connect()
+        try:
+            res = list(client.do_action(flight.Action("abort", json.dumps(body).encode()),
+                                        self._options(time.monotonic() + timeout_s)))
+            return bool(json.loads(res[0].body.to_pybytes())["aborted"])
+        except (flight.FlightError, pa.ArrowException, OSError) as e:
+            err = _classify(e)
+            if isinstance(err, (_Retry, TransferTimeout)):
+                _drop_channel(self._key(0), client)
+            raise (err if not isinstance(err, _Retry) else StreamBroken(str(e))) from e
 
     def missing(self, request_id: str, *, timeout_s: float | None = None) -> list[tuple[int, int]]:
         """The server's absolute [lo, hi) ranges of blocks it still lacks."""
@@ -735,6 +817,19 @@ class KVFlightClient:
         return flight.FlightCallOptions(timeout=left, headers=self._headers)
 
     def _push(self, request_id: str, src: _Feed, deadline_s: float | None) -> PushResult:
+        try:
+            return self._push_streams(request_id, src, deadline_s)
+        except SenderAborted as e:
+            # the producer failed: say so, so that MD falls back now and not at its timeout
+            self._tell_abort(request_id, str(e) or "the sender's producer failed")
+            raise
+
+    def _tell_abort(self, request_id: str, reason: str) -> None:
+        """Best effort: where the link is down too, MD's bounded wait decides instead."""
+        with contextlib.suppress(TransportError):
+            self.abort(request_id, reason, timeout_s=min(5.0, self.deadline_s))
+
+    def _push_streams(self, request_id: str, src: _Feed, deadline_s: float | None) -> PushResult:
         t0 = time.monotonic()
         deadline = t0 + (deadline_s or self.deadline_s)
         c = _Counters()
