@@ -22,7 +22,9 @@ class MDRequestError(RuntimeError):
     """The router asked about a request this MD replica does not hold (restarted, aborted)."""
 
 
-@serve.deployment(max_ongoing_requests=512, health_check_period_s=5)
+# no per-call access log: every router polls `routing_view` several times a second (the Router's
+# own access log still shows every request; a graph's `logging_config` can turn this back on)
+@serve.deployment(max_ongoing_requests=512, health_check_period_s=5, logging_config={"enable_access_log": False})
 class MainDecode:
     def __init__(self, cfg: PDDConfig, index: int = 0) -> None:
         self.cfg, self.index = cfg, index
@@ -198,6 +200,7 @@ class MainDecode:
                             {"flight": self.flight.location, "index": self.index, "calls": len(self._calls),
                              "registering": len(self._registered), "worker_running": self.worker.num_running,
                              "flight_bytes_reserved": self.flight.bytes_reserved, "started_at": self.started_at,
+                             "preemptions": e.preemptions,
                              **self.where})
 
     # ------------------------------------------------------------ helpers
