@@ -219,7 +219,7 @@ def headline(summaries: Mapping[str, Mapping[str, Any]], identical: bool, mismat
     if note_naive:
         out["goodput_vs_cross_dc_naive_note"] = note_naive
     for g, summ in summaries.items():
-        for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tt2t_p50_s", "tt2t_p90_s", "itl_p50_s", "itl_p99_s",
+        for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tt2t_p50_s", "tt2t_p90_s", "itl_p50_s", "itl_p90_s", "itl_p99_s",
                   "itl_max_p90_s", "tpot_p50_s", "goodput_rps", "sla_attainment", "bcr_req_per_usd", "wan_bytes",
                   "requests", "errors", "ttft_floor_p50_s", "pmd_decision_s_p50", "pmd_prefill_s_p50",
                   "pmd_md_kv_wait_s_p50", "pmd_md_step_s_p50", "pmd_cross_site_rest_s_p50", "planned_hit_mean",
