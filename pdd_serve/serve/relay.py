@@ -98,4 +98,4 @@ class Relay:
         e = self.engine
         return ReplicaStats("relay", len(self.live), e.pool.num_free, e.pool.num_blocks,
                             extra={"tokens_generated": self.tokens_generated, "live": sorted(self.live),
-                                   "peak_live": self.peak_live, **self.where})
+                                   "peak_live": self.peak_live, "preemptions": e.preemptions, **self.where})
