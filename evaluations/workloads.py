@@ -541,7 +541,9 @@ def trace_workload(r: TraceReplay) -> Workload:
         while k < len(chains) and (k + 1) * r.block_tokens <= n_in and (chains[k] in seen or chains[k] in history):
             k += 1
         if k and chains[k - 1] not in seen:
-            warmups.append(Session(f"history-{rec.line}", (Turn(blocks.prompt(ids[:k], k * r.block_tokens), 1,
+            # 16 output tokens, like the other warm-ups: a 1-token answer to a long prompt is
+            # anomalous traffic, which PDD keeps off the WAN (it would warm P's cache, not MD's)
+            warmups.append(Session(f"history-{rec.line}", (Turn(blocks.prompt(ids[:k], k * r.block_tokens), 16,
                                                                  "warmup"),)))
             seen.update(chains[:k])
         hit_blocks = 0

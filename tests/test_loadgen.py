@@ -95,6 +95,7 @@ def test_headline_ratios_targets_and_output_identity():
     assert json.loads(json.dumps(head)) == head
     # a baseline that met the SLA on no request: SLA-meeting requests against one, a number with a note
     zero = headline({**graphs, "pd_cross_dc": summ(5.0, 9.0, 0.0, ok=0)}, True, 0, control_latency=True)
+    # PDD met 10 of 20, the baseline 0 of 20: (10/20) / (1/20)
     assert zero["goodput_vs_cross_dc"] == 10.0 and zero["targets_met"]["goodput_vs_cross_dc"] is True
     assert "lower bound" in zero["goodput_vs_cross_dc_note"]
     assert headline(graphs, True, 0)["targets_met"]["control_latency_emulated"] is False

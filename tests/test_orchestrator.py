@@ -54,6 +54,8 @@ class InProcessBackends:
         self.fail_relay_after = 0  # the relay dies after this many chunks (0: never)
         self.fail_relay_in_catch_up = False  # the relay dies once a catch-up batch went to MD
         self.batch_rtt_s = 0.0
+        self.tombstones: dict[str, int] = {}  # aborts that found no registration, by attempt
+        self.attempts: dict[str, int] = {}
 
     async def md_view(self, i, known):
         c = self.mds[i].cache
@@ -62,6 +64,11 @@ class InProcessBackends:
 
     async def md_prepare(self, i, req: GenRequest, planned_start):
         await asyncio.sleep(self.prepare_delay_s)
+        gone = self.tombstones.get(req.request_id)
+        if gone is not None and gone >= req.attempt:  # as MainDecode: an abort overtook this prepare
+            del self.tombstones[req.request_id]
+            raise RuntimeError(f"{req.request_id} was aborted before its prepare arrived")
+        self.attempts[req.request_id] = req.attempt
         old = self.md_seqs[i].pop(req.request_id, None)
         if old is not None:  # a re-delivery: start over
             await self.mws[i].release(old, cache=False)
@@ -148,7 +155,11 @@ class InProcessBackends:
         await self.mws[i].release(seq, cache=True)
         return True
 
-    async def md_abort(self, i, rid):
+    async def md_abort(self, i, rid, attempt=None):
+        if rid in self.md_seqs[i] and attempt is not None and self.attempts.get(rid, 0) > attempt:
+            return False  # a later re-delivery holds it: a stale abort
+        if rid not in self.md_seqs[i] and attempt is not None:  # as MainDecode: refuse a late prepare
+            self.tombstones[rid] = max(attempt, self.tombstones.get(rid, -1))
         self.kv_runs.pop(rid, None)
         seq = self.md_seqs[i].pop(rid, None)
         if seq is not None:
@@ -824,3 +835,19 @@ def test_an_aborted_transfer_takes_the_fallback_at_once(model_dir, pipeline):
     assert st.info.fallbacks == ["kv_timeout"] and "aborted" in st.info.fallback, st.info
     assert time.monotonic() - t0 < 10  # not the 20 s KV wait
     assert all(not d for d in b.md_seqs) and orch.relay_running == 0
+
+
+
+def test_a_single_md_takes_a_request_back_after_its_kv_was_lost(model_dir):
+    """One MD (as in pd_cross_dc): the KV is lost, MD drops the request, the router aborts it and
+    re-delivers to the same MD. The late abort of the first registration must neither refuse nor
+    drop the second (attempts), so MD finishes the request, token-identical."""
+    b = InProcessBackends(model_dir, num_md=1, wan_delay_s=0.05)
+    b.lose_kv = 1
+    orch = _orch(b, pipelines=("P-MD",), kv_wait_timeout_s=1.0)
+    prompt = _prompt(70, 48)
+    ref = Engine.from_pretrained(model_dir).generate(prompt, 30)
+    out, st = asyncio.run(_run(orch, prompt, 30))
+    assert out == ref and "kv_timeout" in st.info.fallbacks and st.info.md_tokens > 0, st.info
+    assert st.gen.attempt == 1 and "relay_finish" not in st.info.fallbacks
+    assert all(not d for d in b.md_seqs)

@@ -40,7 +40,10 @@ class MainDecode:
         self._touched: dict[str, float] = {}  # last router activity per request
         # prepare now runs concurrently with prefill: a router call may overtake it on the line
         self._registered: dict[str, asyncio.Event] = {}
-        self._aborted: dict[str, float] = {}  # aborts that overtook their prepare (refuse it later)
+        # aborts that overtook their prepare: request -> (attempt, when); a prepare of that attempt
+        # or an earlier one is refused when it lands, a later attempt (a re-delivery) is not
+        self._aborted: dict[str, tuple[int, float]] = {}
+        self._attempt: dict[str, int] = {}  # the attempt each registered request came with
         self._reaper_task: asyncio.Task | None = None
         logger.info("MainDecode %d: Flight at %s", index, self.flight.location)
 
@@ -64,21 +67,33 @@ class MainDecode:
         already sending). Holding more than that, MD adopts only `planned_start` blocks and takes
         the rest from the stream (the stale view costs bytes); holding less, it expects from its
         own start and the router has Prefill send the gap."""
-        if self._aborted.pop(req.request_id, None) is not None:
-            raise MDRequestError(f"request {req.request_id} was aborted before its prepare arrived")
-        if req.request_id in self.seqs:  # a re-delivery after a lost transfer: start the request over
-            await self._drop(req.request_id, cache=False)
-        seq = self.engine.add(req.request_id, list(req.prompt_token_ids), req.params)
-        hit = (await self.worker.call(self.engine.match_prefix, seq, planned_start)
-               if self.engine.cache is not None else 0)
-        bs = self.engine.block_size
-        start = hit // bs
-        n = blocks_needed(seq.prompt_len, bs) - start
-        hashes = block_hashes(seq.token_ids[: seq.prompt_len], bs)[start:]
-        hashes += [0] * (n - len(hashes))  # a trailing partial block has no identity
-        self.flight.expect(req.request_id, n, start_block=start, num_tokens=seq.prompt_len - hit, hashes=hashes)
-        self.seqs[req.request_id] = seq
-        self._registered.pop(req.request_id, asyncio.Event()).set()
+        rid = req.request_id
+        try:
+            self._refuse_if_aborted(req)
+            if rid in self.seqs:  # a re-delivery after a lost transfer: start the request over
+                await self._drop(rid, cache=False)
+            seq = self.engine.add(rid, list(req.prompt_token_ids), req.params)
+        except BaseException:
+            self._wake(rid)  # a call that overtook this prepare learns at once that it failed
+            raise
+        try:
+            hit = (await self.worker.call(self.engine.match_prefix, seq, planned_start)
+                   if self.engine.cache is not None else 0)
+            self._refuse_if_aborted(req)  # an abort that landed during the await
+            bs = self.engine.block_size
+            start = hit // bs
+            n = blocks_needed(seq.prompt_len, bs) - start
+            hashes = block_hashes(seq.token_ids[: seq.prompt_len], bs)[start:]
+            hashes += [0] * (n - len(hashes))  # a trailing partial block has no identity
+            self.flight.expect(rid, n, start_block=start, num_tokens=seq.prompt_len - hit, hashes=hashes)
+        except BaseException:  # nothing registered: give back the adopted prefix blocks
+            seq.finish_reason = "abort"
+            await self.worker.release(seq, cache=False)
+            self._wake(rid)
+            raise
+        self.seqs[rid] = seq
+        self._attempt[rid] = req.attempt
+        self._wake(rid)
         self._t_prepare[req.request_id] = self._touched[req.request_id] = time.monotonic()
         if self._reaper_task is None or self._reaper_task.done():
             self._reaper_task = asyncio.get_running_loop().create_task(self._reaper())
@@ -173,11 +188,17 @@ class MainDecode:
         finally:
             await self._drop(request_id, cache=True)
 
-    async def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str, attempt: int | None = None) -> bool:
+        """Drop a request (`attempt`: only that registration or an earlier one; None: any)."""
+        held = self._attempt.get(request_id)
+        if held is not None and attempt is not None and held > attempt:
+            return False  # a later re-delivery holds it now: this abort is stale
         known = request_id in self.seqs
-        if not known:  # its prepare may still be on the line: refuse it when it lands
-            self._aborted[request_id] = time.monotonic()
+        if not known and attempt is not None:  # its prepare may still be on the line: refuse it
+            old = self._aborted.get(request_id, (-1, 0.0))[0]
+            self._aborted[request_id] = (max(old, attempt), time.monotonic())
         await self._drop(request_id, cache=False)
+        self._wake(request_id)  # a call waiting for the registration fails now, not at its timeout
         return known
 
     async def inject(self, fault: str) -> str:
@@ -210,7 +231,7 @@ class MainDecode:
         replica, or a client stream cancelled before its abort arrived): nothing leaks."""
         grace = 2 * self.cfg.policy.kv_wait_timeout_s
         now = time.monotonic()
-        for rid, t in list(self._aborted.items()):
+        for rid, (_, t) in list(self._aborted.items()):
             if now - t > grace:
                 del self._aborted[rid]
         for rid, t in list(self._touched.items()):
@@ -257,14 +278,29 @@ class MainDecode:
         return seq
 
     async def _seq_registered(self, request_id: str, timeout_s: float) -> Sequence:
-        """The request's sequence, waiting (bounded) for a prepare that this call overtook."""
+        """The request's sequence, waiting (bounded) for a prepare that this call overtook; a
+        prepare that fails or an abort wakes it at once."""
         if request_id not in self.seqs and request_id not in self._aborted:
             ev = self._registered.setdefault(request_id, asyncio.Event())
-            with contextlib.suppress(asyncio.TimeoutError):
+            try:
                 await asyncio.wait_for(ev.wait(), min(timeout_s, self.cfg.policy.kv_wait_timeout_s))
-            if self._registered.get(request_id) is ev and not ev.is_set():
-                del self._registered[request_id]
+            except asyncio.TimeoutError:
+                pass
+            finally:  # also when the caller went away (a cancelled stream)
+                if self._registered.get(request_id) is ev and not ev.is_set():
+                    del self._registered[request_id]
         return self._seq(request_id)
+
+    def _wake(self, request_id: str) -> None:
+        ev = self._registered.pop(request_id, None)
+        if ev is not None:
+            ev.set()
+
+    def _refuse_if_aborted(self, req: GenRequest) -> None:
+        gone = self._aborted.get(req.request_id)
+        if gone is not None and gone[0] >= req.attempt:
+            del self._aborted[req.request_id]
+            raise MDRequestError(f"request {req.request_id} was aborted before its prepare arrived")
 
     async def _ready(self, request_id: str, timeout_s: float) -> Sequence:
         ready = await self.wait_kv(request_id, timeout_s)
@@ -274,6 +310,7 @@ class MainDecode:
 
     async def _drop(self, request_id: str, cache: bool) -> None:
         seq = self.seqs.pop(request_id, None)
+        self._attempt.pop(request_id, None)
         task = self._kv.pop(request_id, None)
         self._t_prepare.pop(request_id, None)
         self._touched.pop(request_id, None)

@@ -18,6 +18,9 @@ class GenRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
+    # which registration at MD this is (a re-delivery is attempt + 1): an abort for an earlier
+    # attempt that arrives late neither drops nor refuses a later one
+    attempt: int = 0
 
 
 @dataclass(frozen=True)

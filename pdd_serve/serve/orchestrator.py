@@ -125,7 +125,7 @@ class Backends(Protocol):
     async def md_handoff_batch(self, i: int, request_id: str, token_ids: list[int], timeout_s: float) -> int: ...
     def md_decode(self, i: int, request_id: str, committed: list[int], timeout_s: float) -> AsyncIterator[TokenChunk]: ...
     async def md_absorb(self, i: int, request_id: str, output_ids: list[int], timeout_s: float) -> bool: ...
-    async def md_abort(self, i: int, request_id: str) -> bool: ...
+    async def md_abort(self, i: int, request_id: str, attempt: int | None) -> bool: ...
     async def prefill(self, preq: PrefillRequest) -> PrefillResult: ...
     def relay(self, rreq: RelayRequest) -> AsyncIterator[TokenChunk]: ...
 
@@ -242,8 +242,10 @@ class Orchestrator:
                 # decide as late as the end of prefill: a stale view may have hidden a large delta
                 real = nblocks - prep.result().start_block
                 if late and real > nblocks - planned:
+                    self.wan.pop(gen.request_id, None)  # the line without this request's own planned bytes
                     redo = choose_pipeline(len(prompt), gen.params.max_tokens, real * self.block_bytes,
                                            self.line(), self.relay_running, pol)
+                    self.wan[gen.request_id] = (real * self.block_bytes, time.monotonic())
                     if redo.pipeline == "P-RLD-MD":
                         dec = replace(redo, reason=f"late (the view was stale): {redo.reason}")
                         info.pipeline, info.reason = dec.pipeline, dec.reason
@@ -291,7 +293,7 @@ class Orchestrator:
                 self.wan.pop(gen.request_id, None)
             if prepared and not st.decoder_done:
                 self._background(self.b.md_abort(info.md_replica if info.md_replica is not None else md,
-                                                 gen.request_id))
+                                                 gen.request_id, st.gen.attempt))
 
     def line(self) -> LinkEstimate:
         """The link estimate with the transfers this router has put on the line (fair share); a
@@ -364,7 +366,7 @@ class Orchestrator:
                     raise
                 kind = "kv_timeout" if isinstance(e, TimeoutError) else "md_lost"
                 self._fallback(st, kind, f"MD {md}: {type(e).__name__}: {e}")
-                self._background(self.b.md_abort(md, st.gen.request_id))
+                self._background(self.b.md_abort(md, st.gen.request_id, st.gen.attempt))
                 migrations += 1
                 if migrations > self.cfg.policy.max_migrations:
                     break
@@ -430,8 +432,9 @@ class Orchestrator:
             raise
 
     async def _redeliver(self, st: RequestState, avoid: int) -> int:
-        """Register the request at a (preferably other) MD and have P resend the KV it lacks."""
-        gen = st.gen
+        """Register the request at a (preferably other) MD and have P resend the KV it lacks. A new
+        attempt: a late abort of the old registration can neither drop nor refuse this one."""
+        st.gen = gen = replace(st.gen, attempt=st.gen.attempt + 1)
         prompt = list(gen.prompt_token_ids)
         bs = self.cfg.model.block_size
         hashes = block_hashes(prompt, bs)
@@ -458,7 +461,7 @@ class Orchestrator:
             self._fallback(st, "md_full" if full else "md_unavailable", f"MD {md} prepare: {type(e).__name__}: {e}")
             if not full:
                 self.index.failed(md)
-            await self.b.md_abort(md, st.gen.request_id)
+            await self.b.md_abort(md, st.gen.request_id, st.gen.attempt)
             return
         st.info.prefix_hit_md = reply.hit_tokens / len(st.gen.prompt_token_ids)
         if reply.flight_location != sent.flight_location:  # MD's Flight server moved: resend it all
@@ -470,8 +473,8 @@ class Orchestrator:
         self.index_misses += 1
         self._fallback(st, "index_miss", f"MD {md} holds {reply.start_block} prompt blocks, the view "
                        f"said {sent.start_block} at {sent.flight_location}")
-        if st.decoder_done or st.finish_reason is not None:
-            return
+        # resend even when the request has ended: an absorb may be waiting for these blocks (and if
+        # MD dropped the request, Flight refuses the push: bytes, never a token)
         pre = await self._prefill(st, PrefillRequest(st.gen, False, miss))
         st.info.wan_bytes += pre.wan_bytes
 
@@ -538,7 +541,7 @@ class Orchestrator:
             t_handoff = time.monotonic()
             if not ready.ok:  # the KV did not make it in time: RLD finishes the request alone
                 self._fallback(st, "kv_timeout", f"relay finished: {ready.error}")
-                self._background(self.b.md_abort(md, rid))
+                self._background(self.b.md_abort(md, rid, st.gen.attempt))
                 async for toks in relay.until(None):
                     yield toks
                 return
@@ -566,7 +569,7 @@ class Orchestrator:
                         raise
                     self._fallback(st, "md_lost", f"catch-up batch: {type(e).__name__}: {e}")
                     st.info.handoff_mode = "none"
-                    self._background(self.b.md_abort(md, rid))
+                    self._background(self.b.md_abort(md, rid, st.gen.attempt))
                     async for toks in relay.until(None):
                         yield toks
                     return

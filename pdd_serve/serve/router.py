@@ -73,8 +73,8 @@ class ServeBackends:
     async def md_absorb(self, i, request_id, output_ids, timeout_s):  # noqa: ANN001, ANN201
         return await self.mds[i].call("absorb", request_id, output_ids, timeout_s)
 
-    async def md_abort(self, i, request_id):  # noqa: ANN001, ANN201
-        return await self.mds[i].call("abort", request_id)
+    async def md_abort(self, i, request_id, attempt=None):  # noqa: ANN001, ANN201
+        return await self.mds[i].call("abort", request_id, attempt)
 
     async def prefill(self, preq):  # noqa: ANN001, ANN201
         return await self.p.call("prefill", preq)
