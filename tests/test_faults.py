@@ -194,6 +194,9 @@ def test_saturated_relay_admits_no_more_and_loses_nothing(graph, ref_engine):
     from concurrent.futures import ThreadPoolExecutor
 
     jobs = [(_prompt(100 + i, 500), 80) for i in range(12)]
+    # every transfer stalls 3 s on the line, so each relay stint outlasts the burst's arrival and the
+    # pool really fills, however fast this machine prefills today
+    _handle("Prefill").inject.remote("stall", 3.0, 12).result(timeout_s=30)
     with ThreadPoolExecutor(12) as pool:
         results = list(pool.map(lambda j: _stream(graph, j[0], j[1], {"pipeline": "P-RLD-MD"}), jobs))
     for (prompt, n), (ids, info) in zip(jobs, results):
@@ -234,11 +237,12 @@ def test_relay_kv_copy_leaves_the_object_store_at_the_handoff(graph, ref_engine)
     assert ids == _ref(ref_engine, prompt, n), info
     assert info["handoff_mode"] == "one-shot" and info["md_tokens"] > 0, info
     relay_phase = [b for live, _, b in samples if live]
-    md_phase = [b for live, md, b in samples if not live and md]  # RLD cut, MD decoding
     assert relay_phase and max(relay_phase) >= 0.9 * kv_bytes, (kv_bytes, samples)  # the copy was there
+    cut = max(i for i, (live, _, _) in enumerate(samples) if live) + 1
+    md_phase = [b for _, md, b in samples[cut:] if md]  # RLD cut, MD decoding
     assert len(md_phase) >= 3, samples
     # freed within a moment of the cut (Ray's release is asynchronous), while MD still decodes
-    assert min(md_phase) < kv_bytes / 2 and md_phase[-1] < kv_bytes / 2, (kv_bytes, samples)
+    assert md_phase[-1] < kv_bytes / 2, (kv_bytes, samples)
 
 
 @pytest.mark.parametrize("pipeline", ["P-RLD-MD", "P-RLD"])
