@@ -398,3 +398,108 @@ def test_a_batch_without_the_graph_mac_is_refused_and_nothing_is_stored() -> Non
         srv.expect("r", 8, num_tokens=kv.num_tokens, hashes=kv.hashes)
         KVFlightClient(srv.location, TOKEN, layout=LAYOUT, mac_key="graph-key", deadline_s=10).push("r", [kv])
         assert_same(srv.wait_complete_sync("r", 5).blocks, kv)
+
+
+# ---------------------------------------------------------------- explicit abort (issue 13, item 3)
+
+
+def test_a_sender_abort_fails_the_receivers_wait_at_once(server: KVFlightServer) -> None:
+    """Prefill fails mid-stream: the push ends with an explicit abort, so MD's wait fails now with
+    the reason (not at its timeout), later batches are refused, and a re-delivery starts clean."""
+    kv = make_blocks(LAYOUT, 12)
+    server.expect("ab", 12, num_tokens=kv.num_tokens, hashes=kv.hashes)
+
+    def failing_feed():
+        yield kv.slice(0, 4)
+        raise kv_flight.SenderAborted("prefill failed: RuntimeError")
+
+    async def main() -> float:
+        waiter = asyncio.create_task(server.wait_complete("ab", 30))
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        with pytest.raises(kv_flight.SenderAborted):
+            await asyncio.to_thread(client(server, batch_blocks=2).push, "ab", failing_feed())
+        with pytest.raises(kv_flight.TransferAborted, match="prefill failed"):
+            await waiter
+        return time.monotonic() - t0
+
+    assert asyncio.run(main()) < 5  # at once: the wait had 30 s left
+    with pytest.raises(kv_flight.TransferAborted):
+        server.wait_complete_sync("ab", 0.01)  # a late waiter gets the same answer, immediately
+    with pytest.raises(kv_flight.TransferAborted):  # batches after the abort are refused
+        client(server).push("ab", [kv.slice(4, 12)])
+    assert not server._transfers["ab"].runs  # nothing kept for a transfer nobody will load
+    server.release("ab")
+    server.expect("ab", 12, num_tokens=kv.num_tokens, hashes=kv.hashes)  # the re-delivery
+    client(server).push("ab", [kv])
+    assert_same(server.wait_complete_sync("ab", 5).blocks, kv)
+
+
+def test_a_cancelled_async_push_aborts_and_a_complete_one_cannot_be(server: KVFlightServer) -> None:
+    kv = make_blocks(LAYOUT, 8)
+    server.expect("c1", 8)
+
+    async def main() -> None:
+        async def slow_feed():
+            yield kv.slice(0, 2)
+            await asyncio.sleep(30)  # prefill hangs; the router gives up on it
+            yield kv.slice(2, 8)
+
+        push = asyncio.create_task(client(server, batch_blocks=2).push_async("c1", slow_feed()))
+        await asyncio.sleep(0.3)
+        push.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await push
+        with pytest.raises(kv_flight.TransferAborted, match="cancelled"):
+            await server.wait_complete("c1", 10)
+
+    asyncio.run(main())
+    server.expect("c2", 8)
+    client(server).push("c2", [kv])
+    assert not client(server).abort("c2", "too late")  # complete: an abort changes nothing
+    assert_same(server.wait_complete_sync("c2", 5).blocks, kv)
+    assert not client(server).abort("never-expected", "x")
+
+
+def test_an_abort_needs_the_graph_mac() -> None:
+    with KVFlightServer("127.0.0.1", layout=LAYOUT, token=TOKEN, mac_key="graph-key") as srv:
+        srv.expect("m", 4)
+        for bad_key in (None, "another-graph"):
+            with pytest.raises(RejectedError) as ei:
+                KVFlightClient(srv.location, TOKEN, layout=LAYOUT, mac_key=bad_key).abort("m", "forged")
+            assert ei.value.code == "mac"
+        assert srv._transfers["m"].aborted is None
+        assert KVFlightClient(srv.location, TOKEN, layout=LAYOUT, mac_key="graph-key").abort("m", "real")
+        assert srv._transfers["m"].aborted == "real"
+
+
+def test_prefills_feed_aborts_the_push_when_prefill_fails(server: KVFlightServer) -> None:
+    """Prefill's block feed (serve/prefill.py): a prefill that raises after its first chunk ends the
+    push with an abort; MD's wait fails at once instead of at its timeout."""
+    from pdd_serve.serve.messages import KVTarget
+    from pdd_serve.serve.prefill import _BlockFeed
+
+    kv = make_blocks(LAYOUT, 10)
+    server.expect("pf", 10)
+    feed = _BlockFeed(KVTarget(server.location, 0))
+    feed.q.put(kv.slice(0, 4))  # the first chunk left for MD
+    out: dict = {}
+    sender = threading.Thread(target=lambda: out.setdefault("e", _raises(lambda: client(server).push("pf", iter(feed)))),
+                              daemon=True)
+    sender.start()
+    time.sleep(0.2)
+    feed.abort("prefill of pf failed: RuntimeError")  # what Prefill.prefill does when it raises
+    t0 = time.monotonic()
+    with pytest.raises(kv_flight.TransferAborted, match="4/10 blocks arrived"):
+        server.wait_complete_sync("pf", 30)
+    assert time.monotonic() - t0 < 5
+    sender.join(10)
+    assert isinstance(out["e"], kv_flight.SenderAborted)
+
+
+def _raises(fn) -> BaseException | None:  # noqa: ANN001
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001
+        return e
+    return None

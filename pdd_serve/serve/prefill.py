@@ -36,7 +36,7 @@ class _BlockFeed:
         self.fault = fault  # ("stall", seconds) | ("cut", 0), injected by tests and the soak
         self.applied: str | None = None
         self.next_block = target.start_block
-        self.q: queue.Queue[KVBlocks | None] = queue.Queue()
+        self.q: queue.Queue[KVBlocks | Exception | None] = queue.Queue()  # None: every block is in
         self.nbytes = 0
 
     def on_chunk(self, engine, seq: Sequence) -> None:  # noqa: ANN001 - runs on the engine thread
@@ -52,8 +52,17 @@ class _BlockFeed:
         if done:
             self.q.put(None)
 
+    def abort(self, reason: str) -> None:
+        """Prefill failed: the push ends with an explicit abort, so MD falls back at once instead
+        of waiting out its timeout for blocks that will never come (issue 13, item 3)."""
+        from pdd_serve.transport.flight import SenderAborted
+
+        self.q.put(SenderAborted(reason))
+
     def __iter__(self):
         while (run := self.q.get()) is not None:
+            if isinstance(run, Exception):
+                raise run
             if self.fault is not None:  # the stream is open: the link dies or stalls under it
                 kind, seconds = self.fault
                 self.fault = None
@@ -78,7 +87,7 @@ class Prefill:
         self.sending = 0  # transfers on the line now (sender threads: under _send_lock)
         self._send_lock = threading.Lock()
         self.faults: dict[str, list[tuple[str, float]]] = {}
-        self.transfers = {"started": 0, "done": 0, "failed": 0, "dropped": 0, "bytes": 0}
+        self.transfers = {"started": 0, "done": 0, "failed": 0, "dropped": 0, "aborted": 0, "bytes": 0}
 
     async def prefill(self, preq: PrefillRequest) -> PrefillResult:
         from pdd_serve.transport.object_store import put_kv
@@ -102,9 +111,9 @@ class Prefill:
             first, finish, kv = await self.worker.call(self._prefill_once, seq, on_chunk, preq.to_relay)
             if kv is not None:  # a full copy into the object store: off the event loop
                 kv_ref = await asyncio.to_thread(put_kv, kv)
-        except BaseException:
-            if feed is not None:
-                feed.q.put(None)
+        except BaseException as e:
+            if feed is not None:  # after its last block this changes nothing: the transfer is whole
+                feed.abort(f"prefill of {req.request_id} failed: {type(e).__name__}")
             raise
         wan = feed.nbytes if feed is not None else 0
         return PrefillResult(first, finish, seq.prefix_hit_tokens, time.perf_counter() - t0, wan, kv_ref, self.bw.bps)
@@ -122,7 +131,7 @@ class Prefill:
             self.engine.release(seq)
 
     def _start_sender(self, request_id: str, feed: _BlockFeed) -> None:
-        from pdd_serve.transport.flight import KVFlightClient, UnknownRequestError
+        from pdd_serve.transport.flight import KVFlightClient, SenderAborted, UnknownRequestError
 
         fl = self.cfg.flight
 
@@ -134,7 +143,7 @@ class Prefill:
             try:
                 client = KVFlightClient(feed.target.flight_location, fl.token, layout=self.engine.layout,
                                         tls_root_cert=fl.tls_root_cert, override_hostname=fl.tls_server_name,
-                                        mac_key=fl.mac_key, batch_blocks=fl.batch_blocks,
+                                        mac_key=fl.mac_key, batch_blocks=fl.batch_blocks, parallel_streams=fl.streams,
                                         deadline_s=fl.deadline_s, link=self.link if self.link.config.paced else None)
                 stats = client.push(request_id, iter(feed))
                 alone = alone and self.transfers["started"] == started  # none began meanwhile
@@ -144,6 +153,8 @@ class Prefill:
                     self.bw.observe(stats.bytes_sent, stats.seconds)
             except UnknownRequestError:  # MD released it first (cancelled, or RLD finished it)
                 self.transfers["dropped"] += 1
+            except SenderAborted:  # prefill failed: MD was told (the client's `abort`)
+                self.transfers["aborted"] += 1
             except Exception as e:  # MD's bounded wait turns this into a fallback
                 self.transfers["failed"] += 1
                 logger.warning("KV transfer of %s failed: %s", request_id, e)
