@@ -10,11 +10,7 @@ from pdd_serve.engine import model as model_mod
 from pdd_serve.engine.engine import Engine
 from pdd_serve.engine.model import AttnContext
 from pdd_serve.engine.sampling import SamplingParams
-
-
-def _prompt(n: int, seed: int, vocab: int = 512) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (n,), generator=g).tolist()
+from tests.test_engine import _prompt
 
 
 def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
