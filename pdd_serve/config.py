@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 PIPELINES = ("P-MD", "P-RLD-MD", "P-RLD")
+ENGINE_ROLES = ("prefill", "relay", "main_decode")  # the roles that run an engine (`engines:` keys)
 HANDOFF_MODES = ("auto", "one-shot", "catch-up")
 
 
@@ -35,15 +36,67 @@ class ModelConfig:
     prefix_cache_bytes: int | None = None  # None: half of kv_cache_bytes
     max_batch: int = 32  # decode batch cap per replica
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+    threads: int | None = None  # torch intra-op threads per replica; None: the role's default (P 2, RLD/MD 1)
 
     def __post_init__(self) -> None:
-        _require(self.device == "cpu" or self.device.startswith("cuda"), f"model.device must be cpu or cuda[:N], got {self.device!r}")
+        _require(isinstance(self.device, str) and (self.device == "cpu" or self.device.startswith("cuda")),
+                 f"model.device must be cpu or cuda[:N], got {self.device!r}")
         _require(self.dtype in (None, "float32", "float16", "bfloat16"), f"model.dtype must be float32|float16|bfloat16, got {self.dtype!r}")
         _require(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, f"model.block_size must be a power of two, got {self.block_size}")
         _require(self.kv_cache_bytes > 0, "model.kv_cache_bytes must be > 0")
         _require(self.max_batch > 0, "model.max_batch must be > 0")
         _require(self.prefix_cache_bytes is None or 0 <= self.prefix_cache_bytes <= self.kv_cache_bytes,
                  "model.prefix_cache_bytes must be within [0, kv_cache_bytes]")
+        _require(self.threads is None or (_is_int(self.threads) and self.threads >= 1),
+                 f"model.threads must be an int >= 1, got {self.threads!r}")
+
+    @property
+    def kv_dtype(self) -> str:
+        """The dtype the engine runs and its KV travels in (dtype None: float32 on CPU, bfloat16 on CUDA)."""
+        return self.dtype or ("bfloat16" if self.device.startswith("cuda") else "float32")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# `model` keys an `engines:` entry may not change, and why: every engine must agree on them.
+_ENGINE_FIXED = {
+    "path": "every engine serves one model (KV and token ids cross between them)",
+    "block_size": "KV crosses sites block by block, so every engine must use model.block_size",
+    "max_model_len": "the Router admits requests against one model.max_model_len",
+}
+
+
+@dataclass(frozen=True)
+class EngineOverrides:
+    """One `engines.<role|site>` entry: the engine settings a role or a site changes from `model`.
+
+    Unset (None) fields keep what the lower level says. Precedence, lowest to highest: `model`,
+    `engines.<site>` (the site the role runs at, `sites.<role>`), `engines.<role>`.
+    """
+
+    device: str | None = None  # cpu | cuda | cuda:N
+    dtype: str | None = None  # float32 | float16 | bfloat16: one KV dtype across P, RLD and MD (checked)
+    max_batch: int | None = None
+    kv_cache_bytes: int | None = None
+    prefix_cache_bytes: int | None = None
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.device is None or (isinstance(self.device, str)
+                                         and (self.device == "cpu" or self.device.startswith("cuda"))),
+                 f"device must be cpu or cuda[:N], got {self.device!r}")
+        _require(self.dtype in (None, "float32", "float16", "bfloat16"),
+                 f"dtype must be float32|float16|bfloat16, got {self.dtype!r}")
+        for name in ("max_batch", "kv_cache_bytes", "threads"):
+            v = getattr(self, name)
+            _require(v is None or (_is_int(v) and v > 0), f"{name} must be an int > 0, got {v!r}")
+        _require(self.prefix_cache_bytes is None or (_is_int(self.prefix_cache_bytes) and self.prefix_cache_bytes >= 0),
+                 f"prefix_cache_bytes must be an int >= 0, got {self.prefix_cache_bytes!r}")
+
+    def set_fields(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
 
 
 @dataclass(frozen=True)
@@ -124,13 +177,29 @@ class SiteConfig:
     relay_replicas: int = 1
     main_decode_replicas: int = 1
     cpus_per_replica: float = 0.5
+    # the chip each site runs, by name, for the evaluations' cost model (BCR): `chips: {a: h100-sxm,
+    # b: h20}`. pdd_serve only stores the names; evaluations/chips.yaml is the catalog that checks them.
+    chips: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
+        if isinstance(self.chips, dict):
+            _require(all(isinstance(k, str) and k for k in self.chips),
+                     f"sites.chips keys must be site labels, got {sorted(map(repr, self.chips))}")
+            object.__setattr__(self, "chips", tuple(sorted(self.chips.items())))
+        _require(isinstance(self.chips, tuple)
+                 and all(isinstance(c, tuple) and len(c) == 2 and all(isinstance(x, str) and x for x in c)
+                         for c in self.chips),
+                 f"sites.chips must map site labels to chip names, e.g. {{a: h100-sxm, b: h20}}, got {self.chips!r}")
         for role in ("prefill", "relay", "main_decode", "router"):
             _require(bool(getattr(self, role)), f"sites.{role} must name a site label")
         for role in ("prefill_replicas", "relay_replicas", "main_decode_replicas"):
             _require(getattr(self, role) >= 1, f"sites.{role} must be >= 1")
         _require(self.cpus_per_replica >= 0, "sites.cpus_per_replica must be >= 0")
+
+    @property
+    def chip_map(self) -> dict[str, str]:
+        """`sites.chips` as {site: chip name} (empty when the graph names no chips)."""
+        return dict(self.chips)
 
 
 @dataclass(frozen=True)
@@ -198,8 +267,11 @@ class PDDConfig:
     sites: SiteConfig = field(default_factory=SiteConfig)
     flight: FlightConfig = field(default_factory=FlightConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    # per-role / per-site engine settings over `model`, as sorted (key, overrides) pairs; see engine_for
+    engines: tuple[tuple[str, EngineOverrides], ...] = ()
 
     def __post_init__(self) -> None:
+        self._check_engines()
         cross = self.sites.prefill != self.sites.main_decode
         _require(cross or self.link.preset == "same_dc",
                  "prefill and main_decode share a site, so link.preset must be same_dc")
@@ -215,6 +287,56 @@ class PDDConfig:
     @property
     def uses_relay(self) -> bool:
         return any(p in self.policy.pipelines for p in ("P-RLD-MD", "P-RLD"))
+
+    def engine_for(self, role: str) -> ModelConfig:
+        """The effective model/engine config of one role: `model`, then `engines.<site>` for the
+        site the role runs at, then `engines.<role>` (each later level wins, field by field)."""
+        _require(role in ENGINE_ROLES, f"engine_for: role must be one of {ENGINE_ROLES}, got {role!r}")
+        site = getattr(self.sites, role)
+        entries = dict(self.engines)
+        merged: dict[str, Any] = {}
+        used = []
+        for key in (site, role):
+            if key in entries:
+                merged.update(entries[key].set_fields())
+                used.append(f"engines.{key}")
+        if not merged:
+            return self.model
+        try:
+            return dataclasses.replace(self.model, **merged)
+        except ConfigError as e:
+            raise ConfigError(f"the {role} engine (model + {' + '.join(used)}): {e}") from None
+
+    def engine_roles(self) -> tuple[str, ...]:
+        """The roles this graph deploys with an engine."""
+        return ("prefill", "relay", "main_decode") if self.uses_relay else ("prefill", "main_decode")
+
+    def _check_engines(self) -> None:
+        _require(isinstance(self.engines, tuple) and all(
+            isinstance(e, tuple) and len(e) == 2 and isinstance(e[1], EngineOverrides) for e in self.engines),
+                 "engines must be (key, EngineOverrides) pairs (load_config builds them from `engines:`)")
+        sites = {getattr(self.sites, r): r for r in ENGINE_ROLES}
+        for key, _ in self.engines:
+            _require(key in ENGINE_ROLES or key in sites,
+                     f"engines.{key} is neither a role ({', '.join(ENGINE_ROLES)}) nor a site an engine runs at "
+                     f"({', '.join(sorted(sites))}, from sites.prefill/relay/main_decode)")
+        if self.engines:
+            for site, role in sites.items():
+                _require(site not in ENGINE_ROLES,
+                         f"sites.{role} is {site!r}, a role name: engines.{site} would be ambiguous; rename the site")
+        engines = {role: self.engine_for(role) for role in ENGINE_ROLES}
+        deployed = self.engine_roles()
+        want = self.model.kv_dtype
+        bad = [f"{r}: {engines[r].kv_dtype}" for r in deployed if engines[r].kv_dtype != want]
+        _require(not bad,
+                 f"engines: every engine must run one KV dtype, model's {want} (model.dtype {self.model.dtype}, "
+                 f"model.device {self.model.device}), but {', '.join(bad)}: KV crosses from prefill to relay and "
+                 "main_decode as raw blocks and the transport refuses another dtype (no conversion), and the Router "
+                 "sizes transfers from model. Set model.dtype (a device override to cuda makes dtype None mean "
+                 "bfloat16) or drop the dtype override")
+        known = set(sites) | {self.sites.router}
+        for site, _chip in self.sites.chips:
+            _require(site in known, f"sites.chips.{site}: no role runs at site {site!r} (sites: {', '.join(sorted(known))})")
 
 
 def is_loopback(host: str | None) -> bool:
@@ -267,14 +389,31 @@ def _build(cls: type, data: Any, where: str) -> Any:
         raise ConfigError(f"{where}: {e}") from None
 
 
+def _build_engines(data: Any) -> tuple[tuple[str, EngineOverrides], ...]:
+    """`engines: {prefill: {dtype: ..., threads: 4}, b: {kv_cache_bytes: ...}}` -> sorted pairs."""
+    if data is None:
+        return ()
+    if not isinstance(data, dict):
+        raise ConfigError(f"engines must be a mapping of role or site -> settings, got {type(data).__name__}")
+    out = []
+    for key, entry in data.items():
+        if not isinstance(key, str) or not key:
+            raise ConfigError(f"engines keys must be role or site names, got {key!r}")
+        if isinstance(entry, dict):
+            for k in sorted(set(entry) & set(_ENGINE_FIXED)):
+                raise ConfigError(f"engines.{key}.{k} can't be set per role or site: {_ENGINE_FIXED[k]}")
+        out.append((key, _build(EngineOverrides, entry, f"engines.{key}")))
+    return tuple(sorted(out, key=lambda kv: kv[0]))
+
+
 def load_config(args: dict[str, Any] | PDDConfig | None) -> PDDConfig:
     """Build and validate the one config object from a graph YAML's `args` mapping."""
     if isinstance(args, PDDConfig):
         return args
     args = dict(args or {})
-    unknown = sorted(set(args) - set(_SECTIONS) - {"graph"})
+    unknown = sorted(set(args) - set(_SECTIONS) - {"graph", "engines"})
     if unknown:
-        raise ConfigError(f"unknown top-level arg(s) {unknown}; valid: graph, {', '.join(_SECTIONS)}")
+        raise ConfigError(f"unknown top-level arg(s) {unknown}; valid: graph, engines, {', '.join(_SECTIONS)}")
     model = args.get("model")
     if isinstance(model, str):  # `model: /path/to/ckpt` shorthand
         args["model"] = {"path": model}
@@ -290,7 +429,7 @@ def load_config(args: dict[str, Any] | PDDConfig | None) -> PDDConfig:
     flight: FlightConfig = kw["flight"]
     if flight.token is None and os.environ.get("PDD_FLIGHT_TOKEN"):
         kw["flight"] = dataclasses.replace(flight, token=os.environ["PDD_FLIGHT_TOKEN"])
-    return PDDConfig(graph=str(args.get("graph", "pdd")), **kw)
+    return PDDConfig(graph=str(args.get("graph", "pdd")), engines=_build_engines(args.get("engines")), **kw)
 
 
 def load_graph_yaml(path: str | Path, app_index: int = 0) -> PDDConfig:

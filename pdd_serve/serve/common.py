@@ -13,12 +13,15 @@ SITE_LABEL = "pdd.site"
 
 
 def load_engine(model: ModelConfig, enable_prefix_cache: bool = True, threads: int = 1) -> Engine:
-    """Each replica gets a thread budget: several replicas share few cores on one machine."""
+    """Each replica gets a thread budget: several replicas share few cores on one machine.
+
+    `model` is the role's effective config (`PDDConfig.engine_for(role)`); its `threads`, when the
+    graph sets it (`model.threads` or `engines.<role|site>.threads`), wins over the role's default."""
     import torch
 
     from pdd_serve.models import resolve_model
 
-    torch.set_num_threads(max(1, threads))
+    torch.set_num_threads(max(1, model.threads if model.threads is not None else threads))
     engine = Engine.from_pretrained(
         resolve_model(model.path), device=model.device, dtype=model.dtype, block_size=model.block_size,
         kv_cache_bytes=model.kv_cache_bytes, prefix_cache_bytes=model.prefix_cache_bytes,

@@ -28,8 +28,8 @@ class MDRequestError(RuntimeError):
 class MainDecode:
     def __init__(self, cfg: PDDConfig, index: int = 0) -> None:
         self.cfg, self.index = cfg, index
-        self.engine = load_engine(cfg.model, enable_prefix_cache=cfg.policy.drc)
-        self.worker = EngineWorker(self.engine, cfg.model.max_batch)
+        self.engine = load_engine(cfg.engine_for("main_decode"), enable_prefix_cache=cfg.policy.drc)
+        self.worker = EngineWorker(self.engine, cfg.engine_for("main_decode").max_batch)
         self.where = placement()
         self.started_at = time.time()
         self.flight = self._new_flight()
@@ -57,7 +57,7 @@ class MainDecode:
         epoch = f"{self.started_at}:{self.flight.location}"
         # list(dict) runs in C under the GIL: a consistent copy while the engine thread inserts
         hashes = None if known == (epoch, version) else tuple(cache.nodes) if cache is not None else ()
-        return MDView(self.index, epoch, version, hashes, len(self.seqs), self.cfg.model.max_batch,
+        return MDView(self.index, epoch, version, hashes, len(self.seqs), self.cfg.engine_for("main_decode").max_batch,
                       self.flight.location)
 
     async def prepare(self, req: GenRequest, planned_start: int | None = None) -> MDPrepareReply:

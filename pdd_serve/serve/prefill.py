@@ -77,8 +77,8 @@ class _BlockFeed:
 class Prefill:
     def __init__(self, cfg: PDDConfig) -> None:
         self.cfg = cfg
-        self.engine = load_engine(cfg.model, enable_prefix_cache=True, threads=2)
-        self.worker = EngineWorker(self.engine, cfg.model.max_batch)
+        self.engine = load_engine(cfg.engine_for("prefill"), enable_prefix_cache=True, threads=2)
+        self.worker = EngineWorker(self.engine, cfg.engine_for("prefill").max_batch)
         self.where = placement()
         # one link per replica: all of this replica's transfers share its bandwidth
         self.link = cfg.link.build(self.engine.layout.bytes_per_token)

@@ -26,8 +26,8 @@ class Relay:
     def __init__(self, cfg: PDDConfig) -> None:
         self.cfg = cfg
         # no prefix cache: RLD receives every prompt's KV from P; it holds KV only while it relays
-        self.engine = load_engine(cfg.model, enable_prefix_cache=False)
-        self.worker = EngineWorker(self.engine, cfg.model.max_batch)
+        self.engine = load_engine(cfg.engine_for("relay"), enable_prefix_cache=False)
+        self.worker = EngineWorker(self.engine, cfg.engine_for("relay").max_batch)
         self.where = placement()
         self.tokens_generated = 0
         self.live: set[str] = set()  # requests holding KV here
