@@ -29,6 +29,7 @@ from evaluations.harness import (
     EvalError,
     PreparedGraph,
     code_fingerprint,
+    engine_params,
     eval_cluster,
     link_params,
     log_err,
@@ -338,7 +339,7 @@ def _log_compare(tracker: Any, workload: Workload, cfg: CompareConfig, results: 
             ids[name] = run
             cost = hardware_cost(g.cfg, site_chips, catalog)
             params = {**common, "graph": name, "graph_file": str(g.source), **link_params(g),
-                      **policy_params(g.cfg), **cost.params()}
+                      **policy_params(g.cfg), **engine_params(g.cfg), **cost.params()}
             gdir = out_dir / name
             rows = [row for i, r in enumerate(res.runs) for row in record_rows(r, graph=name, repeat=i)]
             arts = [write_parquet(rows, gdir / "requests.parquet"),

@@ -1,8 +1,9 @@
 """Hardware cost and BCR (PDD.md: benefit-cost ratio = effective throughput within the SLA / cost).
 
 A graph's cost per hour is one chip per replica of each role at that role's site (the chip a site
-runs comes from the command line, its price from the catalog, evaluations/chips.yaml), plus the
-inter-DC line when Prefill and Main decode sit at different sites. BCR is reported as SLA-meeting
+runs comes from the graph's `sites.chips` when it names one, else from the command line's `--chip`;
+its price from the catalog, evaluations/chips.yaml), plus the inter-DC line when Prefill and Main
+decode sit at different sites. BCR is reported as SLA-meeting
 requests per USD: goodput (req/s) x 3600 / cost (USD/h).
 """
 
@@ -107,8 +108,16 @@ class HardwareCost:
         return out
 
 
+def effective_site_chips(cfg: PDDConfig, site_chips: Mapping[str, str]) -> dict[str, str]:
+    """The chip at each site: the graph's `sites.chips` win (the deployment says what it runs on),
+    `site_chips` (the command line's --chip, default cpu) fill the sites the graph leaves out."""
+    return {**dict(site_chips), **cfg.sites.chip_map}
+
+
 def hardware_cost(cfg: PDDConfig, site_chips: Mapping[str, str], catalog: Catalog) -> HardwareCost:
     s = cfg.sites
+    from_graph = cfg.sites.chip_map
+    site_chips = effective_site_chips(cfg, site_chips)
     roles = [("prefill", s.prefill, s.prefill_replicas)]
     if cfg.uses_relay:
         roles.append(("relay", s.relay, s.relay_replicas))
@@ -116,8 +125,14 @@ def hardware_cost(cfg: PDDConfig, site_chips: Mapping[str, str], catalog: Catalo
     out = []
     for role, site, n in roles:
         if site not in site_chips:
-            raise CatalogError(f"no chip given for site {site!r} (graph {cfg.graph}); pass --chip {site}=NAME")
-        chip = catalog.chip(site_chips[site])
+            raise CatalogError(f"no chip given for site {site!r} (graph {cfg.graph}); pass --chip {site}=NAME "
+                               f"or set sites.chips.{site} in the graph")
+        try:
+            chip = catalog.chip(site_chips[site])
+        except CatalogError as e:
+            if site not in from_graph:
+                raise
+            raise CatalogError(f"graph {cfg.graph}: sites.chips.{site}: {e}") from None
         out.append((role, site, n, chip.name, float(chip.price_per_hour)))
     cross = s.prefill != s.main_decode
     return HardwareCost(tuple(out), catalog.link_price(cross), cross)

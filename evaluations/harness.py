@@ -215,6 +215,24 @@ def policy_params(cfg: PDDConfig) -> dict[str, Any]:
             "policy.anomalous_max_output_tokens": p.anomalous_max_output_tokens}
 
 
+def engine_params(cfg: PDDConfig) -> dict[str, Any]:
+    """Each deployed role's effective engine (`model` + `engines.<site>` + `engines.<role>`) as MLflow
+    params, `engine.<role>.<field>`, and the graph's `sites.chips` (BCR's chips: cost.params())."""
+    out: dict[str, Any] = {}
+    for role in cfg.engine_roles():
+        m = cfg.engine_for(role)
+        prefix = f"engine.{role}"
+        out.update({f"{prefix}.site": getattr(cfg.sites, role), f"{prefix}.device": m.device,
+                    f"{prefix}.dtype": m.kv_dtype, f"{prefix}.max_batch": m.max_batch,
+                    f"{prefix}.kv_cache_bytes": m.kv_cache_bytes,
+                    f"{prefix}.prefix_cache_bytes": (m.kv_cache_bytes // 2 if m.prefix_cache_bytes is None
+                                                     else m.prefix_cache_bytes),
+                    f"{prefix}.threads": "default" if m.threads is None else m.threads})
+    out["engines"] = json.dumps({k: e.set_fields() for k, e in cfg.engines}, sort_keys=True) if cfg.engines else ""
+    out["sites.chips"] = ",".join(f"{s}={c}" for s, c in cfg.sites.chips)
+    return out
+
+
 def settle_for(graph: PreparedGraph) -> Callable[[list[RequestRecord]], float]:
     """How long to wait after a warm-up: until its KV has crossed the link (with margin), because a
     warm-up answered by the relay alone is absorbed into MD's cache only once its KV arrived."""

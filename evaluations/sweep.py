@@ -28,6 +28,7 @@ from evaluations.harness import (
     EvalEnv,
     EvalError,
     code_fingerprint,
+    engine_params,
     eval_cluster,
     link_params,
     log_err,
@@ -175,7 +176,7 @@ def _log_sweep(tracker: Any, cfg: SweepConfig, graphs: Any, workloads: Any, per_
             params = {**common_params(w, cfg.sla, cfg.load, site_chips, cfg.catalog, 1), **shared, "hit_rate": h}
             metrics: dict[str, Any] = {k: v for k, v in row.items() if isinstance(v, (int, float))}
             for g in graphs:
-                params.update({f"{g.name}.{k}": v for k, v in {**policy_params(g.cfg),
+                params.update({f"{g.name}.{k}": v for k, v in {**policy_params(g.cfg), **engine_params(g.cfg),
                                                                **hardware_cost(g.cfg, site_chips, catalog).params()}.items()})
                 metrics.update(flat_metrics(summaries[h][g.name], prefix=f"{g.name}."))
             table = write_parquet([row for n, res in per_point[h].items() for row in record_rows(res.records, graph=n)],
