@@ -1,6 +1,7 @@
-"""`pdd compare`, `pdd sweep hit-rate` and `pdd runs`: the evaluation subcommands.
+"""`pdd demo`, `pdd compare`, `pdd sweep hit-rate` and `pdd runs`: the evaluation subcommands.
 
-pdd_serve/cli.py appends EVAL_COMMANDS to its COMMANDS. This module stays light at import (argparse
+EVAL_COMMANDS is registered with the `pdd` CLI through the entry-point group `pdd_serve.commands`
+(pyproject.toml); pdd_serve imports nothing from here. This module stays light at import (argparse
 only): the evaluation modules, Ray, MLflow and matplotlib are imported when a command runs.
 """
 
@@ -9,21 +10,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
-
-class EvalCommand(NamedTuple):  # the shape of pdd_serve.cli.Command (not imported: no import cycle)
-    name: str
-    help: str
-    add_arguments: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[argparse.Namespace], int]
-    description: str = ""
+from pdd_serve.cli import Command, UsageError
 
 
 def _usage(msg: str) -> Exception:
-    from pdd_serve.cli import UsageError
-
     return UsageError(msg)
 
 
@@ -92,6 +84,37 @@ def _common_kwargs(args: argparse.Namespace, default_experiment: str) -> dict[st
 def _fail(cmd: str, e: Exception) -> int:
     print(f"pdd {cmd}: {e}", file=sys.stderr)
     return 1
+
+
+# ---------------------------------------------------------------- demo
+
+DEMO_DESCRIPTION = """\
+The main job: start a local two-site Ray cluster (raylets labelled pdd.site=a and pdd.site=b on
+this machine), deploy a graph YAML with `serve run --non-blocking`, drive a short agentic workload
+(multi-turn sessions sharing a system prompt, a few cold long documents, one anomalous request)
+through the OpenAI-compatible API, print what PDD did per pipeline, and tear everything down.
+"""
+
+
+def _add_demo(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--graph", default="graphs/pdd.yaml", help="Serve config to deploy (default: %(default)s)")
+    p.add_argument("--sessions", type=int, default=4, help="agentic sessions (default: %(default)s)")
+    p.add_argument("--turns", type=int, default=3, help="turns per session (default: %(default)s)")
+    p.add_argument("--keep", action="store_true", help="leave the cluster serving afterwards (pdd cluster down stops it)")
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from evaluations.demo import run_demo
+    from pdd_serve.cluster import ClusterError
+    from pdd_serve.demo import DemoError
+
+    if args.sessions <= 0 or args.turns <= 0:
+        raise _usage("pdd demo: error: --sessions and --turns must be > 0")
+    try:
+        return run_demo(args.graph, keep=args.keep, sessions=args.sessions, turns=args.turns)
+    except (DemoError, ClusterError) as e:
+        print(f"pdd demo: {e}", file=sys.stderr)
+        return 1
 
 
 # ---------------------------------------------------------------- compare
@@ -276,9 +299,10 @@ def _run_sweep(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- runs
 
 RUNS_DESCRIPTION = """\
-A summary table of the evaluation runs in the MLflow store ($MLFLOW_TRACKING_URI, else
-sqlite:///mlflow.db in the working directory), newest first: per-graph runs with their latency,
-goodput, BCR and RLD share; comparison runs with PDD's ratios to the baselines.
+A summary table of the runs in the MLflow store (--tracking-uri, else $MLFLOW_TRACKING_URI, else
+sqlite:///mlflow.db in the working directory), newest first, from every experiment in it (the
+experiment column says which; --experiment NAME shows only NAME's): per-graph runs with their
+latency, goodput, BCR and RLD share; comparison runs with PDD's ratios to the baselines.
 
 For plots and side-by-side run comparison, browse the same store with
   mlflow ui --backend-store-uri sqlite:///mlflow.db
@@ -287,26 +311,46 @@ For plots and side-by-side run comparison, browse the same store with
 
 def _add_runs(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experiment", action="append", default=None,
-                   help="experiment name (repeatable; default: every pdd-* experiment)")
+                   help="only this experiment's runs (repeatable; default: every experiment in the store)")
     p.add_argument("--limit", type=int, default=30, help="most recent runs to show (default: %(default)s)")
     p.add_argument("--tracking-uri", default=None, help="MLflow store (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
     p.add_argument("--json", action="store_true", help="print the runs as JSON lines instead")
+
+
+def _no_runs_message(uri: str | None, experiments: list[str] | None, existing: list[str]) -> str:
+    """Where `pdd runs` looked, and how to get runs there."""
+    from evaluations.tracking import describe_store, sqlite_file, tracking_uri
+
+    store = describe_store(uri)
+    db = sqlite_file(tracking_uri(uri))
+    if db is not None and not db.exists():
+        where = f"no MLflow store at {store}: the file does not exist"
+    elif experiments and (missing := [e for e in experiments if e not in existing]):
+        where = f"no experiment {', '.join(missing)} in {store}; its experiments: {', '.join(existing) or 'none'}"
+    elif experiments:
+        where = f"no runs in experiment {', '.join(experiments)} of {store}"
+    else:
+        where = f"no runs in any experiment of {store}"
+    return (f"{where}.\nRuns come from `pdd compare`, `pdd sweep hit-rate`, `pdd plan` and `pdd simulate --mlflow`, "
+            f"logged to $MLFLOW_TRACKING_URI when set, else to sqlite:///mlflow.db in the directory they ran in "
+            f"(compare and sweep also take --tracking-uri): run `pdd runs` there or give it the same store.")
 
 
 def _run_runs(args: argparse.Namespace) -> int:
     import json
 
     from evaluations.report import simple_table
-    from evaluations.tracking import RUN_COLUMNS, list_runs, tracking_uri
+    from evaluations.tracking import RUN_COLUMNS, describe_store, list_experiments, list_runs
 
     if args.limit <= 0:
         raise _usage("pdd runs: error: --limit must be > 0")
     try:
         rows = list_runs(args.tracking_uri, args.experiment, args.limit)
     except Exception as e:  # an unreachable or foreign store: say so in one line
-        return _fail("runs", f"cannot read the MLflow store {tracking_uri(args.tracking_uri)}: {type(e).__name__}: {e}")
+        return _fail("runs", f"cannot read the MLflow store {describe_store(args.tracking_uri)}: {type(e).__name__}: {e}")
     if not rows:
-        print(f"no evaluation runs in {tracking_uri(args.tracking_uri)} (run `pdd compare` first)", file=sys.stderr)
+        print(_no_runs_message(args.tracking_uri, args.experiment, list_experiments(args.tracking_uri)),
+              file=sys.stderr)
         return 0
     if args.json:
         for r in rows:
@@ -328,11 +372,13 @@ def _run_runs(args: argparse.Namespace) -> int:
     return 0
 
 
-EVAL_COMMANDS: list[EvalCommand] = [
-    EvalCommand("compare", "one workload through pd_same_dc, pd_cross_dc and pdd; table, MLflow, JSON line",
-                _add_compare, _run_compare, COMPARE_DESCRIPTION),
-    EvalCommand("sweep", "parameter sweeps: `pdd sweep hit-rate` (PDD's benefit vs prefix-hit rate)",
-                _add_sweep, _run_sweep, SWEEP_DESCRIPTION),
-    EvalCommand("runs", "summary table of the evaluation runs in the MLflow store", _add_runs, _run_runs,
-                RUNS_DESCRIPTION),
+EVAL_COMMANDS: list[Command] = [
+    Command("demo", "the main job: local two-site cluster + graphs/pdd.yaml + an agentic workload",
+            _add_demo, _run_demo, DEMO_DESCRIPTION),
+    Command("compare", "one workload through pd_same_dc, pd_cross_dc and pdd; table, MLflow, JSON line",
+            _add_compare, _run_compare, COMPARE_DESCRIPTION),
+    Command("sweep", "parameter sweeps: `pdd sweep hit-rate` (PDD's benefit vs prefix-hit rate)",
+            _add_sweep, _run_sweep, SWEEP_DESCRIPTION),
+    Command("runs", "summary table of the evaluation runs in the MLflow store", _add_runs, _run_runs,
+            RUNS_DESCRIPTION),
 ]

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_URI = "sqlite:///mlflow.db"
-EXPERIMENT_PREFIX = "pdd-"
 PARENT_TAG = "mlflow.parentRunId"
 MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
 
@@ -25,6 +24,21 @@ MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
 def tracking_uri(uri: str | None = None) -> str:
     """Explicit > $MLFLOW_TRACKING_URI > sqlite:///mlflow.db (in the working directory)."""
     return uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
+
+
+def sqlite_file(uri: str) -> Path | None:
+    """The file of a `sqlite:///PATH` store, absolute (PATH is relative to the working directory
+    unless it starts with /); None for any other store."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return Path(uri[len("sqlite:///"):].split("?", 1)[0]).expanduser().absolute()
+
+
+def describe_store(uri: str | None = None) -> str:
+    """The store as a user should read it: the URI, and for SQLite the file it means."""
+    uri = tracking_uri(uri)
+    db = sqlite_file(uri)
+    return f"{uri} ({db})" if db is not None and str(db) not in uri else uri
 
 
 def _artifact_root(uri: str, experiment: str) -> str | None:
@@ -140,11 +154,30 @@ RUN_COLUMNS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+def _store_missing(uri: str) -> bool:
+    """A SQLite store whose file doesn't exist yet: reading it must not create it."""
+    db = sqlite_file(uri)
+    return db is not None and not db.exists()
+
+
+def list_experiments(uri: str | None = None) -> list[str]:
+    """Names of the store's active experiments ([] for a SQLite file that doesn't exist)."""
+    uri = tracking_uri(uri)
+    if _store_missing(uri):
+        return []
+    return sorted(e.name for e in _client(uri).search_experiments())
+
+
 def list_runs(uri: str | None = None, experiments: Sequence[str] | None = None, limit: int = 30) -> list[dict[str, Any]]:
-    """Recent runs of the pdd-* experiments (or the named ones), newest first, as flat dicts."""
-    client = _client(tracking_uri(uri))
+    """The `limit` most recent runs of every experiment in the store (or of the named ones only),
+    newest first, as flat dicts with the experiment's name under "experiment". A SQLite store
+    whose file doesn't exist has no runs (and is not created)."""
+    uri = tracking_uri(uri)
+    if _store_missing(uri):
+        return []
+    client = _client(uri)
     exps = client.search_experiments()
-    wanted = [e for e in exps if (e.name in experiments if experiments else e.name.startswith(EXPERIMENT_PREFIX))]
+    wanted = [e for e in exps if not experiments or e.name in experiments]
     if not wanted:
         return []
     names = {e.experiment_id: e.name for e in wanted}

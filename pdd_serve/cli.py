@@ -1,8 +1,11 @@
 """The `pdd` console script.
 
-Each subcommand is one `Command(name, help, add_arguments, run)` in COMMANDS; to add one, write
-its two functions and append it there. `run` returns the exit code. Heavy imports (torch,
-transformers, ray) happen inside `run`, so `pdd --help` stays instant.
+Each subcommand is one `Command(name, help, add_arguments, run)`; `run` returns the exit code.
+The serving commands are in COMMANDS below. Other packages add theirs through the entry-point group
+`pdd_serve.commands` (each entry point names a list of Commands; this project's `evaluations`
+registers `demo`, `compare`, `sweep`, `runs`, `simulate` and `plan` in pyproject.toml), so
+pdd_serve imports nothing from them. Heavy imports (torch, transformers, ray) happen inside `run`,
+so `pdd --help` stays instant.
 """
 
 from __future__ import annotations
@@ -134,39 +137,7 @@ def _run_engine_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---- demo ----------------------------------------------------------------------------------
-
-_DEMO_DESCRIPTION = """\
-The main job: start a local two-site Ray cluster (raylets labelled pdd.site=a and pdd.site=b on
-this machine), deploy a graph YAML with `serve run --non-blocking`, drive a short agentic workload
-(multi-turn sessions sharing a system prompt, a few cold long documents, one anomalous request)
-through the OpenAI-compatible API, print what PDD did per pipeline, and tear everything down.
-"""
-
-
-def _add_demo(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--graph", default="graphs/pdd.yaml", help="Serve config to deploy (default: %(default)s)")
-    p.add_argument("--sessions", type=int, default=4, help="agentic sessions (default: %(default)s)")
-    p.add_argument("--turns", type=int, default=3, help="turns per session (default: %(default)s)")
-    p.add_argument("--keep", action="store_true", help="leave the cluster serving afterwards (pdd cluster down stops it)")
-
-
-def _run_demo(args: argparse.Namespace) -> int:
-    from pdd_serve.cluster import ClusterError
-    from pdd_serve.demo import DemoError, run_demo
-
-    if args.sessions <= 0 or args.turns <= 0:
-        raise UsageError("pdd demo: error: --sessions and --turns must be > 0")
-    try:
-        return run_demo(args.graph, keep=args.keep, sessions=args.sessions, turns=args.turns)
-    except (DemoError, ClusterError) as e:
-        print(f"pdd demo: {e}", file=sys.stderr)
-        return 1
-
-
 COMMANDS: list[Command] = [
-    Command("demo", "the main job: local two-site cluster + graphs/pdd.yaml + an agentic workload",
-            _add_demo, _run_demo, _DEMO_DESCRIPTION),
     Command("engine-demo", "run the engine alone: generate twice from one prompt (second time from the prefix cache)",
             _add_engine_demo, _run_engine_demo),
     Command("make-model", "build a small random-weight HF checkpoint with a real tokenizer",
@@ -176,14 +147,42 @@ COMMANDS: list[Command] = [
             "Print the path of the embedded default model (llama, 4 layers, hidden 256, seed 0),\n"
             "building it into the cache on first use."),
 ]
-COMMANDS += __import__("evaluations.cli", fromlist=["EVAL_COMMANDS"]).EVAL_COMMANDS  # compare, sweep, runs
-COMMANDS += __import__("evaluations.sim.cli", fromlist=["SIM_COMMANDS"]).SIM_COMMANDS  # simulate, plan
+
+ENTRY_POINT_GROUP = "pdd_serve.commands"
+
+
+def plugin_commands() -> list[Command]:
+    """The Commands other installed packages register under ENTRY_POINT_GROUP, in entry-point name
+    order (each entry point loads a list of Commands). One that fails to load is reported on stderr
+    and skipped, so a broken plugin costs its own commands, not the whole CLI."""
+    from importlib.metadata import entry_points
+
+    out: list[Command] = []
+    seen: set[tuple[str, str]] = set()
+    for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: (ep.name, ep.value)):
+        if (ep.name, ep.value) in seen:  # one distribution found twice on sys.path
+            continue
+        seen.add((ep.name, ep.value))
+        try:
+            out.extend(Command(*c) for c in ep.load())
+        except Exception as e:
+            print(f"pdd: skipping the commands of entry point {ep.name} = {ep.value}: {type(e).__name__}: {e}",
+                  file=sys.stderr)
+    return out
+
+
+def all_commands() -> list[Command]:
+    """COMMANDS then the plugins' commands; a name already taken keeps its first definition."""
+    out: dict[str, Command] = {}
+    for cmd in [*COMMANDS, *plugin_commands()]:
+        out.setdefault(cmd.name, cmd)
+    return list(out.values())
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pdd", description="PDD: cross-datacenter prefill/decode LLM serving.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for cmd in COMMANDS:
+    for cmd in all_commands():
         p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.description or cmd.help,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         cmd.add_arguments(p)

@@ -418,6 +418,7 @@ def _free_ports(n: int, avoid: Iterable[int] = ()) -> list[int]:
 _PROBE = r"""
 import json, sys, time
 addr, wait_s, sites = sys.argv[1], float(sys.argv[2]), sys.argv[3].split(",")
+want_replicas = len(sys.argv) > 4 and sys.argv[4] == "1"
 from ray._private.internal_api import get_state_from_address
 deadline = time.monotonic() + wait_s
 while True:
@@ -436,13 +437,33 @@ while True:
     if (err is None and all(s in alive for s in sites)) or time.monotonic() >= deadline:
         break
     time.sleep(0.5)
-print("PDD_PROBE " + json.dumps({"nodes": nodes, "error": err}))
+out = {"nodes": nodes, "error": err}
+if want_replicas and err is None:
+    # Serve's replica actors (class ServeReplica:APP:DEPLOYMENT) and its controller, from the GCS actor table
+    serve = {"controller": False, "replicas": [], "error": None}
+    try:
+        for a in get_state_from_address(addr).actor_table(None).values():
+            cls, state = a.get("ActorClassName") or "", a.get("State") or "?"
+            if state == "DEAD":
+                continue
+            if cls == "ServeController":
+                serve["controller"] = True
+            elif cls.startswith("ServeReplica:"):
+                serve["replicas"].append({"class_name": cls, "name": a.get("Name") or "", "state": state,
+                                          "node_id": (a.get("Address") or {}).get("NodeID") or "",
+                                          "pid": a.get("Pid") or None, "actor_id": a.get("ActorID")})
+    except Exception as e:
+        serve["error"] = f"{type(e).__name__}: {e}"
+    out["serve"] = serve
+print("PDD_PROBE " + json.dumps(out))
 """
 
 
-def _probe(cfg: LocalClusterConfig, wait_s: float = 0.0, sites: Iterable[str] = SITES) -> dict[str, Any]:
-    """Node table of the cluster at cfg.address: {"nodes": [...], "error": str | None}."""
-    cmd = [sys.executable, "-c", _PROBE, cfg.address, str(wait_s), ",".join(sites)]
+def _probe(cfg: LocalClusterConfig, wait_s: float = 0.0, sites: Iterable[str] = SITES,
+           replicas: bool = False) -> dict[str, Any]:
+    """Node table of the cluster at cfg.address: {"nodes": [...], "error": str | None}; with
+    `replicas`, also "serve": {"controller": bool, "replicas": [live ServeReplica actors], "error"}."""
+    cmd = [sys.executable, "-c", _PROBE, cfg.address, str(wait_s), ",".join(sites), "1" if replicas else "0"]
     try:
         r = subprocess.run(cmd, env=_subprocess_env(cfg), capture_output=True, text=True, timeout=wait_s + 30,
                            stdin=subprocess.DEVNULL)
@@ -461,6 +482,90 @@ def _alive_sites(nodes: list[dict[str, Any]]) -> dict[str, str]:
         site = n["labels"].get(SITE_LABEL)
         if n["alive"] and site in SITES:
             out[site] = n["node_id"]
+    return out
+
+
+# ---- Serve replicas per site ------------------------------------------------------------------
+
+UNPLACED = "-"  # a replica not on a node yet (pending creation)
+
+
+def _replica_ids(r: dict[str, Any]) -> tuple[str, str, str]:
+    """(app, deployment, replica id) of a ServeReplica actor: from its name
+    `SERVE_REPLICA::APP#DEPLOYMENT#ID` (what Serve's ReplicaID writes), else its class name
+    `ServeReplica:APP:DEPLOYMENT`."""
+    name = r.get("name") or ""
+    if name.startswith("SERVE_REPLICA::"):
+        parts = name[len("SERVE_REPLICA::"):].split("#")
+        if len(parts) == 3:
+            return parts[0], parts[1], parts[2]
+        if len(parts) == 2:
+            return "", parts[0], parts[1]
+    _, _, rest = (r.get("class_name") or "").partition(":")
+    app, _, dep = rest.rpartition(":")
+    return app, dep or "?", (r.get("actor_id") or "?")[:12]
+
+
+def serve_deployments(replicas: Iterable[dict[str, Any]], nodes: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Group live Serve replica actors by deployment, each placed on its node's pdd.site label.
+
+    replicas: {"class_name", "name", "state", "node_id", "pid"} (the probe's "serve.replicas");
+    nodes: the probe's node table. Returns, per deployment (sorted by app, then name):
+    {"app", "deployment", "replicas": [{"replica", "site", "node_id", "state", "pid"}],
+    "per_site": {site: count}, "states": {state: count}}. Any deployment names work (one
+    MainDecode deployment with N replicas, or MainDecode0..N-1)."""
+    site_of = {n["node_id"]: (n.get("labels") or {}).get(SITE_LABEL, "?") for n in nodes}
+    groups: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in replicas:
+        app, dep, rid = _replica_ids(r)
+        node = r.get("node_id") or ""
+        placed = bool(node) and set(node) not in ({"f"}, {"0"})  # empty or nil node id: not placed yet
+        site = site_of.get(node, "?") if placed else UNPLACED
+        g = groups.setdefault((app, dep), {"app": app, "deployment": dep, "replicas": [], "per_site": {},
+                                           "states": {}})
+        g["replicas"].append({"replica": rid, "site": site, "node_id": node, "state": r.get("state") or "?",
+                              "pid": r.get("pid")})
+        g["per_site"][site] = g["per_site"].get(site, 0) + 1
+        g["states"][r.get("state") or "?"] = g["states"].get(r.get("state") or "?", 0) + 1
+    out = [groups[k] for k in sorted(groups)]
+    for g in out:
+        g["replicas"].sort(key=lambda x: (x["site"], x["replica"]))
+    return out
+
+
+def format_serve_deployments(serve: dict[str, Any] | None, deployments: list[dict[str, Any]]) -> list[str]:
+    """`pdd cluster status` lines for Serve: a table of replicas per site per deployment, then each
+    replica (site, node, state, pid). `serve` is the probe's {"controller", "error"}."""
+    if serve is None:
+        return []
+    if serve.get("error"):
+        return [f"serve: cannot read the actor table: {serve['error']}"]
+    if not deployments:
+        return ["serve: " + ("running, no deployments" if serve.get("controller") else
+                             "not running (serve run GRAPH.yaml --non-blocking starts it)")]
+    sites = sorted({*SITES, *(s for d in deployments for s in d["per_site"])},
+                   key=lambda s: (s in ("?", UNPLACED), s))
+    heads = ["deployment", "replicas", *(f"site {s}" if s not in ("?", UNPLACED) else
+                                         ("unplaced" if s == UNPLACED else "site ?") for s in sites), "states"]
+    rows = []
+    for d in deployments:
+        rows.append([f"{d['app']}/{d['deployment']}" if d["app"] else d["deployment"], str(len(d["replicas"])),
+                     *(str(d["per_site"].get(s, 0)) for s in sites),
+                     ", ".join(f"{k} {v}" for k, v in sorted(d["states"].items()))])
+    widths = [max(len(r[i]) for r in [heads, *rows]) for i in range(len(heads))]
+
+    def line(cells: list[str]) -> str:
+        return "  " + "  ".join(c.ljust(w) if i in (0, len(cells) - 1) else c.rjust(w)
+                                for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    n = sum(len(d["replicas"]) for d in deployments)
+    out = [f"serve: {len(deployments)} deployment{'s' * (len(deployments) != 1)}, {n} replica{'s' * (n != 1)}",
+           line(heads)]
+    for d, row in zip(deployments, rows):
+        out.append(line(row))
+        for r in d["replicas"]:
+            where = "not placed yet" if r["site"] == UNPLACED else f"{SITE_LABEL}={r['site']}  node {r['node_id'][:12]}"
+            out.append(f"      {r['replica']:<10}  {where}  {r['state']}" + (f"  pid {r['pid']}" if r["pid"] else ""))
     return out
 
 
@@ -777,7 +882,9 @@ def cluster_status(cfg: LocalClusterConfig) -> dict[str, Any]:
     """Nodes with their pdd.site labels, alive/dead and resources; says so when nothing runs.
 
     Keys: running (some site alive), healthy (both), address, sites {a, b: alive, node_id,
-    processes}, nodes (GCS node table, dead nodes included), error, message.
+    processes}, nodes (GCS node table, dead nodes included), error, message; and, when the GCS
+    answered, serve {controller, replicas, error, deployments (serve_deployments: each Serve
+    deployment's live replicas with their site)}.
     """
     state = _load_state(cfg)
     rcfg = _recorded_cfg(cfg, state)
@@ -793,12 +900,14 @@ def cluster_status(cfg: LocalClusterConfig) -> dict[str, Any]:
         out["sites"] = {s: {"alive": False, "node_id": None, "processes": 0} for s in SITES}
         return out
     if state is None or ("a" in pgids and _running(pgids["a"], "gcs/gcs_server")):
-        probe = _probe(rcfg, wait_s=0.0)
+        probe = _probe(rcfg, wait_s=0.0, replicas=True)
     else:
         probe = {"nodes": [], "error": "the head's GCS (site a) is not running"}
     alive = _local_alive_sites(state or {}, probe["nodes"])
     out["nodes"] = probe["nodes"]
     out["error"] = probe["error"]
+    if probe.get("serve") is not None:
+        out["serve"] = {**probe["serve"], "deployments": serve_deployments(probe["serve"]["replicas"], probe["nodes"])}
     out["sites"] = {s: {"alive": s in alive, "node_id": alive.get(s), "processes": procs[s]} for s in SITES}
     out["running"] = bool(alive) or any(procs.values())
     out["healthy"] = set(alive) == set(SITES)
@@ -837,7 +946,8 @@ A local two-site Ray cluster on this machine, standing in for two datacenters.
 
   pdd cluster up       start it (idempotent: a healthy recorded cluster is just reported)
   pdd cluster env      print the driver environment as `export` lines
-  pdd cluster status   nodes, their pdd.site labels, alive/dead, resources
+  pdd cluster status   nodes, their pdd.site labels, alive/dead, resources; each Serve
+                       deployment's replicas per site (node, state)
   pdd cluster down     stop exactly this cluster (also a half-dead one) and forget it
 
 Two sites: two raylets, each with its own object store. Site a is the head (GCS on --port,
@@ -970,6 +1080,8 @@ def _run_status(args: argparse.Namespace) -> int:
                   + (f"  ({n['death_reason']})" if n["death_reason"] else ""))
         if st["error"] and st["recorded"]:
             print(f"  probe error: {st['error']}")
+        for line in format_serve_deployments(st.get("serve"), (st.get("serve") or {}).get("deployments", [])):
+            print(f"  {line}")
         if st["shaped_link"]:
             v = st["shaped_link"]["veth"]
             print(f"  shaped link {st['shaped_link']['link']}: site b in netns {v['name']} "
@@ -1004,7 +1116,8 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     specs = [
         ("up", "start the two-site cluster (idempotent)", _run_up, True),
         ("down", "stop exactly this cluster and forget it (idempotent)", _run_down, False),
-        ("status", "nodes, labels, alive/dead, resources (exit 0 healthy, 1 partly up, 3 not running)",
+        ("status", "nodes, labels, alive/dead, resources, Serve replicas per site "
+                   "(exit 0 healthy, 1 partly up, 3 not running)",
          _run_status, False),
         ("env", "print `export` lines for a driver: eval \"$(pdd cluster env)\"", _run_env, False),
     ]
@@ -1048,4 +1161,5 @@ if __name__ == "__main__":
 
 __all__ = ["ClusterError", "ClusterInfo", "LocalClusterConfig", "ShapedLinkUnavailable", "add_cluster_arguments", "add_cluster_parser",
            "apply_driver_env", "cluster_down", "cluster_status", "cluster_up", "driver_env", "env_lines",
-           "log_tail", "port_problem", "run_cluster", "spawn_reaper"]
+           "format_serve_deployments", "log_tail", "port_problem", "run_cluster", "serve_deployments",
+           "spawn_reaper"]

@@ -72,6 +72,55 @@ def test_a_logged_run_is_read_back_from_the_store(tmp_path, capsys):
                                               "wan_mb": 0.0}})
 
 
-def test_runs_on_an_empty_store_says_so(tmp_path, capsys):
-    assert main(["runs", "--tracking-uri", f"sqlite:///{tmp_path}/empty.db"]) == 0
-    assert "no evaluation runs" in capsys.readouterr().err
+def test_runs_on_a_missing_store_says_where_it_looked_and_does_not_create_it(tmp_path, capsys):
+    db = tmp_path / "empty.db"
+    assert main(["runs", "--tracking-uri", f"sqlite:///{db}"]) == 0
+    err = capsys.readouterr().err
+    assert f"no MLflow store at sqlite:///{db}" in err and "does not exist" in err
+    assert "pdd compare" in err and "MLFLOW_TRACKING_URI" in err  # how to make some
+    assert not db.exists()
+
+
+def test_runs_on_an_empty_store_says_where_it_looked(tmp_path, capsys, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    MlflowClient(tracking_uri="sqlite:///mlflow.db").search_experiments()  # creates the store, no runs
+    assert main(["runs"]) == 0
+    err = capsys.readouterr().err
+    assert f"no runs in any experiment of sqlite:///mlflow.db ({tmp_path / 'mlflow.db'})" in err
+    assert "pdd compare" in err
+
+
+def _log(uri: str, experiment: str, name: str, graph: str) -> str:
+    tr = Tracker(uri, experiment)
+    run = tr.start(name)
+    tr.log(run, {"graph": graph}, {"ttft_p90_s": 0.5, "requests": 3})
+    tr.finish(run)
+    return run
+
+
+def test_runs_lists_every_experiment_by_default_and_filters_by_experiment(tmp_path, capsys):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    a = _log(uri, "pdd-compare", "pdd agentic", "pdd")
+    b = _log(uri, "my-study", "custom run", "pd_cross_dc")  # a user's --experiment NAME: not pdd-*
+    c = _log(uri, "Default", "plain run", "pdd")
+
+    assert {r["run_id"]: r["experiment"] for r in list_runs(uri)} == {a: "pdd-compare", b: "my-study", c: "Default"}
+    assert [r["run_id"] for r in list_runs(uri, limit=2)] == [c, b]  # newest first
+    assert [r["run_id"] for r in list_runs(uri, ["my-study"])] == [b]
+
+    assert main(["runs", "--tracking-uri", uri]) == 0
+    out = capsys.readouterr().out
+    header = out.splitlines()[0].split()
+    assert header[:3] == ["started", "experiment", "run"]
+    assert "my-study" in out and "custom run" in out and "pdd-compare" in out and "plain run" in out
+
+    assert main(["runs", "--tracking-uri", uri, "--experiment", "my-study", "--experiment", "Default"]) == 0
+    out = capsys.readouterr().out
+    assert "custom run" in out and "plain run" in out and "pdd agentic" not in out
+
+    assert main(["runs", "--tracking-uri", uri, "--experiment", "nope"]) == 0
+    err = capsys.readouterr().err
+    assert "no experiment nope in" in err and "Default, my-study, pdd-compare" in err

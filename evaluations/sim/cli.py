@@ -1,4 +1,5 @@
-"""`pdd simulate` and `pdd plan`: registered into pdd_serve.cli's COMMANDS by one line there.
+"""`pdd simulate` and `pdd plan`: SIM_COMMANDS is registered with the `pdd` CLI through the
+entry-point group `pdd_serve.commands` (pyproject.toml).
 Argument parsing stays import-light; the simulator loads inside `run`."""
 
 from __future__ import annotations
