@@ -1,0 +1,361 @@
+"""Issue 13, items 3 and 7, at unit level: the real deployment classes (no Ray cluster), a tiny
+real engine, and MD's real Flight server on loopback.
+
+Item 3: a request MD drops while a router call for it is still in flight leaves nothing behind
+(before `_uncall`, the call's exit left `_calls[rid] == 0` for every such request, forever).
+Item 7: the heavy work of a request stays off the replica's event loop (Prefill's object-store
+put, MD's KV join, the Router's parse), and each KV block's CRC is computed once per hop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdd_serve.config import FlightConfig, ModelConfig, PDDConfig
+from pdd_serve.engine.engine import SamplingParams
+from pdd_serve.serve.messages import GenRequest
+
+PROMPT = [3 + (i * 37) % 500 for i in range(100)]  # 100 tokens: 7 blocks of 16, the last partial
+BLOCKS = 7
+TOKEN, MAC_KEY = "hygiene-token", "hygiene-mac"
+
+
+# ---------------------------------------------------------------- fixtures and helpers
+
+
+@pytest.fixture
+def cfg(model_dir: Path) -> PDDConfig:
+    return PDDConfig(model=ModelConfig(path=str(model_dir), block_size=16, kv_cache_bytes=4 << 20, max_batch=4),
+                     flight=FlightConfig(token=TOKEN, mac_key=MAC_KEY))
+
+
+@pytest.fixture(autouse=True)
+def _no_cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The deployments' constructors ask Ray which node they run on; there is no cluster here.
+    Each constructor also sets torch's thread count for its replica: give the process its own back."""
+    from pdd_serve.serve import main_decode, prefill, relay
+
+    for mod in (main_decode, prefill, relay):
+        monkeypatch.setattr(mod, "placement", lambda: {})
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def md(cfg: PDDConfig):  # noqa: ANN201 - the plain MainDecode class (Serve's deployment wraps it)
+    from pdd_serve.serve.main_decode import MainDecode
+
+    replica = MainDecode.func_or_class(cfg)
+    yield replica
+    replica.flight.close()
+    replica.worker._exec.shutdown(wait=True)
+
+
+@pytest.fixture
+def sender(cfg: PDDConfig):  # noqa: ANN201 - the Prefill side's engine: makes the KV MD receives
+    from pdd_serve.serve.common import load_engine
+
+    return load_engine(cfg.model, enable_prefix_cache=False)
+
+
+def _prompt_kv(engine, rid: str):  # noqa: ANN001, ANN202 - (first token, the prompt's KV blocks)
+    seq = engine.add(rid, list(PROMPT), SamplingParams(4, ignore_eos=True))
+    first = engine.prefill(seq)
+    kv = engine.export_kv(seq)
+    engine.release(seq, cache=False)
+    assert kv.num_blocks == BLOCKS
+    return first, kv
+
+
+def _push(md, kv, rid: str) -> None:  # noqa: ANN001
+    """One real Flight hop, in 2-block batches: MD receives several runs it must join."""
+    from pdd_serve.transport.flight import KVFlightClient
+
+    KVFlightClient(md.flight.location, TOKEN, layout=md.engine.layout, mac_key=MAC_KEY, batch_blocks=2,
+                   deadline_s=10).push(rid, [kv])
+
+
+def _req(rid: str) -> GenRequest:
+    return GenRequest(rid, tuple(PROMPT), SamplingParams(4, ignore_eos=True))
+
+
+async def _until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    for _ in range(int(timeout_s / 0.005)):
+        if cond():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("condition not reached")
+
+
+def _on_event_loop() -> bool:
+    """Whether the calling thread is running an asyncio event loop (a replica's loop thread)."""
+    try:
+        asyncio.get_running_loop()
+        return True
+    except RuntimeError:
+        return False
+
+
+class _NoHandle:
+    """Stands in for a Serve deployment handle (no cluster here): names a deployment, serves no call."""
+
+    deployment_id = types.SimpleNamespace(app_name="hygiene", name="none")
+
+
+class _Recorder:
+    """Wraps a blocking function; records, per call, its thread and whether a loop runs there."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn, self.calls = fn, []
+
+    def __call__(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN204
+        self.calls.append((threading.current_thread().name, _on_event_loop()))
+        return self.fn(*args, **kwargs)
+
+
+@pytest.fixture
+def crcs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every KV CRC32 computed in this process: `bytes_checksum` is the one function behind
+    KVBlocks.verify and the codec's check of a received batch (the codec holds its own name)."""
+    from pdd_serve.engine import kv as kv_mod
+    from pdd_serve.transport import codec
+
+    real, calls = kv_mod.bytes_checksum, []
+
+    def counting(buf):  # noqa: ANN001, ANN202
+        calls.append(len(buf))  # list.append is atomic: Flight verifies on gRPC threads
+        return real(buf)
+
+    monkeypatch.setattr(kv_mod, "bytes_checksum", counting)
+    monkeypatch.setattr(codec, "bytes_checksum", counting)
+    return calls
+
+
+# ---------------------------------------------------------------- item 3: MD's call counts never leak
+
+
+# everything MD keeps per request
+MD_STATE = ("_calls", "_touched", "seqs", "_kv", "_registered", "_attempt", "_t_prepare", "_aborted")
+
+
+def _assert_forgotten(md, rid: str, free_blocks: int) -> None:  # noqa: ANN001
+    held = {name: getattr(md, name)[rid] for name in MD_STATE if rid in getattr(md, name)}
+    assert not held, f"MD still holds {rid} after it dropped it: {held}"
+    assert md.flight.bytes_reserved == 0
+    assert md.engine.pool.num_free == free_blocks
+
+
+@pytest.mark.parametrize("call", ["wait_kv", "handoff_batch", "decode"])
+def test_an_abort_while_a_call_waits_for_the_kv_leaves_nothing(md, call: str) -> None:
+    """The router aborts a request (its client went away) while one of its calls waits for KV
+    that will never come. The call ends at once, and MD keeps no trace of the request; before the
+    fix `wait_kv` and `handoff_batch` left `_calls[rid] == 0` behind. (`decode` dropped the request
+    after its own call ended even then: kept so every kind of call stays covered.)"""
+    rid = f"abort-during-{call}"
+    free = md.engine.pool.num_free
+
+    async def main() -> None:
+        await md.prepare(_req(rid))
+        if call == "decode":
+            async def run() -> object:
+                return [c async for c in md.decode(rid, [], 30)]
+        else:
+            def run():  # noqa: ANN202
+                return getattr(md, call)(rid, *([[]] if call == "handoff_batch" else []), 30)
+        task = asyncio.create_task(run())
+        await _until(lambda: rid in md._kv)  # the call is in flight: MD's wait on Flight has begun
+        assert md._calls.get(rid)
+        assert await md.abort(rid)
+        if call == "wait_kv":
+            assert not (await asyncio.wait_for(task, 5)).ok
+        else:  # no KV: the call fails, at once, not at its 30 s timeout
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(task, 5)
+
+    asyncio.run(main())
+    _assert_forgotten(md, rid, free)
+
+
+def test_an_abort_during_a_handoff_extend_leaves_nothing(md, sender, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The abort lands while a catch-up batch waits on the engine thread (the KV is in): the
+    extend finds the request aborted and fails, and MD forgets the request entirely."""
+    rid = "abort-during-extend"
+    first, kv = _prompt_kv(sender, rid)
+    free = md.engine.pool.num_free
+    entered, gate = threading.Event(), threading.Event()
+    real_extend = md.engine.extend
+
+    def held_extend(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - holds the engine thread mid-call
+        entered.set()
+        gate.wait(10)
+        return real_extend(*args, **kwargs)
+
+    monkeypatch.setattr(md.engine, "extend", held_extend)
+
+    async def main() -> None:
+        await md.prepare(_req(rid))
+        await asyncio.to_thread(_push, md, kv, rid)
+        assert (await md.wait_kv(rid, 10)).ok
+        handoff = asyncio.create_task(md.handoff_batch(rid, [first, 7, 8], 10))
+        await _until(entered.is_set)  # the handoff's extend runs on the engine thread now
+        abort = asyncio.create_task(md.abort(rid))
+        await _until(lambda: rid not in md.seqs)  # dropped while the call is still in progress
+        assert md._calls.get(rid) == 1
+        gate.set()
+        with pytest.raises(RuntimeError, match="finished"):  # the engine refuses an aborted request
+            await asyncio.wait_for(handoff, 10)
+        assert await asyncio.wait_for(abort, 10)
+
+    asyncio.run(main())
+    _assert_forgotten(md, rid, free)
+
+
+# ---------------------------------------------------------------- item 7: off the event loop, one CRC per hop
+
+
+def test_md_joins_the_received_runs_on_the_engine_thread(md, sender, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The KV arrives in several Flight batches; joining them copies the whole delta. That join
+    (`ReceivedKV.blocks` -> `concat_blocks`) must run on MD's engine thread, not its event loop
+    (before the fix, `got.blocks` was evaluated on the loop as an argument of the worker call)."""
+    from pdd_serve.transport import flight
+
+    join = _Recorder(flight.concat_blocks)
+    monkeypatch.setattr(flight, "concat_blocks", join)
+    rid = "join"
+    _, kv = _prompt_kv(sender, rid)
+
+    async def main() -> None:
+        await md.prepare(_req(rid))
+        await asyncio.to_thread(_push, md, kv, rid)
+        assert (await md.wait_kv(rid, 10)).ok
+
+    asyncio.run(main())
+    assert join.calls, "the received runs were never joined: the test no longer exercises the join"
+    assert all(not on_loop and name.startswith("pdd-engine") for name, on_loop in join.calls), join.calls
+    assert md.seqs[rid].num_computed == len(PROMPT)
+
+
+def test_md_verifies_each_block_crc_once_per_flight_hop(md, sender, crcs: list[int]) -> None:
+    """Prefill -> MD over real Flight: the server checks every block's CRC as it arrives; MD's
+    import must not compute them all again (before the fix: two CRCs per block)."""
+    rid = "crc-flight"
+    _, kv = _prompt_kv(sender, rid)  # the sender computes its CRCs here, before the count
+    crcs.clear()
+
+    async def main() -> None:
+        await md.prepare(_req(rid))
+        await asyncio.to_thread(_push, md, kv, rid)
+        assert (await md.wait_kv(rid, 10)).ok
+
+    asyncio.run(main())
+    assert len(crcs) == BLOCKS, f"{len(crcs)} CRC32s for {BLOCKS} blocks over one hop"
+    assert set(crcs) == {md.engine.layout.block_bytes}
+
+
+def test_relay_verifies_each_block_crc_once_per_object_store_hop(cfg, sender, crcs: list[int],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill -> Relay through the object store: `get_kv` checks the CRCs, the relay's import
+    must not check them again. Only Ray's `get` is stood in for (no cluster): it hands back the
+    object `put_kv` would have stored."""
+    import ray
+
+    from pdd_serve.serve.messages import RelayRequest
+    from pdd_serve.serve.relay import Relay
+    from pdd_serve.transport import object_store
+
+    monkeypatch.setattr(object_store, "ray", types.SimpleNamespace(get=lambda obj, timeout: obj,
+                                                                   exceptions=ray.exceptions))
+    rid = "crc-relay"
+    first, kv = _prompt_kv(sender, rid)
+    stored = object_store.KVObject(kv.layout, kv.start_block, kv.data, tuple(kv.hashes), tuple(kv.checksums),
+                                   kv.num_tokens)
+    relay = Relay.func_or_class(cfg)
+    crcs.clear()
+
+    async def main() -> list:
+        return [c async for c in relay.generate(RelayRequest(_req(rid), (first,), stored))]
+
+    try:
+        chunks = asyncio.run(main())
+    finally:
+        relay.worker._exec.shutdown(wait=True)
+    assert sum(len(c.token_ids) for c in chunks) == 3  # it decoded: the KV was loaded
+    assert len(crcs) == BLOCKS, f"{len(crcs)} CRC32s for {BLOCKS} blocks over one hop"
+
+
+def test_prefill_puts_the_relays_kv_in_the_object_store_off_the_event_loop(cfg, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`put_kv` copies the whole prompt KV into shared memory: it must not run on Prefill's event
+    loop, where every other request's calls wait meanwhile. Only the put itself is stood in for
+    (no object store here); the prefill and the export are real."""
+    from pdd_serve.serve.messages import PrefillRequest
+    from pdd_serve.serve.prefill import Prefill
+    from pdd_serve.transport import object_store
+
+    ref = object()
+    put = _Recorder(lambda kv: ref)
+    monkeypatch.setattr(object_store, "put_kv", put)
+    prefill = Prefill.func_or_class(cfg)
+    try:
+        res = asyncio.run(prefill.prefill(PrefillRequest(_req("put"), to_relay=True, md_target=None)))
+    finally:
+        prefill.worker._exec.shutdown(wait=True)
+    assert res.kv_ref is ref
+    assert len(put.calls) == 1
+    name, on_loop = put.calls[0]
+    assert not on_loop and name != threading.main_thread().name, put.calls
+
+
+def test_router_parses_and_tokenizes_off_the_event_loop_on_one_thread(cfg, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parsing and tokenizing a large body takes a while: not on the Router's event loop, where
+    every stream waits meanwhile, and always on the same one thread (a fast tokenizer used from two
+    threads at once can fail "already borrowed"). The real parser runs and tokenizes each prompt,
+    which is longer than the model's context: each request ends as a 400 right after the parse
+    (no Prefill or MD is needed) and the recorded thread is where the tokenizer ran."""
+    import json
+
+    from starlette.requests import Request
+
+    from pdd_serve.serve import openai_api as oai
+    from pdd_serve.serve.router import Router
+
+    parse = _Recorder(oai.parse_request)
+    monkeypatch.setattr(oai, "parse_request", parse)
+    # Serve's ingress subclasses the user's class; its first base is the plain Router. Its MD
+    # argument is one handle since pinning.py (a list of per-MD handles before it).
+    router_cls = Router.func_or_class.__bases__[0]
+    md_arg = list(inspect.signature(router_cls.__init__).parameters)[4]
+    router = router_cls(cfg, _NoHandle(), None, [] if md_arg == "mds" else _NoHandle())
+    # the Router's background view of the MDs needs live replicas and plays no part in a parse
+    monkeypatch.setattr(router, "_watch_views", lambda: None)
+    body = json.dumps({"model": cfg.server.model_name, "prompt": "hello " * 2000, "max_tokens": 4}).encode()
+
+    def request() -> Request:
+        async def receive() -> dict:
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        return Request({"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
+                        "headers": [(b"content-type", b"application/json")]}, receive)
+
+    async def main() -> list:
+        return await asyncio.gather(*(router.completions(request()) for _ in range(3)))
+
+    try:
+        responses = asyncio.run(main())
+    finally:
+        if hasattr(router, "_parser"):  # the parse thread; absent where parsing ran on the loop
+            router._parser.shutdown(wait=True)
+    assert all(r.status_code == 400 and b"context_length_exceeded" in r.body for r in responses), \
+        [r.body for r in responses]
+    assert len(parse.calls) == 3
+    assert not any(on_loop for _, on_loop in parse.calls), parse.calls
+    threads = {name for name, _ in parse.calls}
+    assert len(threads) == 1 and threads != {threading.main_thread().name}, parse.calls
