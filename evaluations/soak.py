@@ -11,8 +11,9 @@ the KV pools (the soak's graph gets a small pool, `--kv-cache-mib`): every reque
 refused cleanly (503 / an in-band `overloaded_error`, retried after Retry-After).
 
 Every answer is checked token by token against one engine's greedy output (cut where the stop
-string ends it). After the load drains, each deployment's `stats` must show no sequence left
-(`leaked_sequences`) and the Router's relay count must match the relay's real one
+string ends it). After the load drains, every live replica of Prefill, Relay and MainDecode (each
+reached through a handle pinned to it) must show no sequence left in its `stats`
+(`leaked_sequences`) and the Router's relay count must match the relay pool's real one
 (`relay_admission_drift`). Prints a table and one JSON line; exits non-zero unless errors,
 tokens_lost, leaked_sequences and relay_admission_drift are all 0 and outputs_identical is true.
 """
@@ -106,8 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     graph = tmp / "graph.yaml"
     graph.write_text(yaml.safe_dump(doc))
     app = doc["applications"][0]["name"]
-    n_md = doc["applications"][0]["args"]["sites"]["main_decode_replicas"]
     drain_s = cfg.policy.kv_wait_timeout_s + 5  # every background cleanup is bounded by the KV wait
+    # the deployments that hold sequences, each with however many replicas the graph gives it
+    holders = ("Prefill", "Relay", "MainDecode") if cfg.uses_relay else ("Prefill", "MainDecode")
 
     ccfg = LocalClusterConfig(port=args.port, state_dir=tmp / "cluster")
     cluster_up(ccfg, log=lambda m: print(m, file=sys.stderr))
@@ -118,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         apply_driver_env(ccfg)
         import ray
         from ray import serve
+
+        from pdd_serve.serve.pinning import pinned_handle, replica_actors
 
         ray.init(address=env["RAY_ADDRESS"], logging_level="error")
         ref = Engine.from_pretrained(default_model_path())
@@ -132,6 +136,26 @@ def main(argv: list[str] | None = None) -> int:
 
         def handle(name: str):  # noqa: ANN202
             return serve.get_deployment_handle(name, app)
+
+        def replicas(name: str) -> dict[str, str]:
+            """{replica id: actor name} of a deployment's live replicas (MainDecode, Prefill and
+            Relay may each have several, autoscaling may change them)."""
+            return replica_actors(app, name)
+
+        def per_replica_stats(names: tuple[str, ...], timeout_s: float) -> dict[str, object]:
+            """`stats` of every live replica of each deployment, keyed `Deployment#replica`: a call
+            through a pinned handle reaches that replica (its request router honours the pin)."""
+            out = {}
+            for name in names:
+                live = replicas(name)
+                if not live:
+                    raise RuntimeError(f"no live {name} replica")  # being restored after a kill
+                for rid in sorted(live):
+                    st = pinned_handle(app, name, rid).stats.remote().result(timeout_s=timeout_s)
+                    if st.extra.get("replica", rid) != rid:  # it died since the listing: another answered
+                        raise RuntimeError(f"{name} replica {rid} is gone")
+                    out[f"{name}#{rid}"] = st
+            return out
 
         def expected(prompt: list[int], n: int, local: random.Random) -> tuple[list[int], str | None]:
             """One engine's greedy output, and a stop string from its middle (for 1 in 4 requests),
@@ -187,16 +211,21 @@ def main(argv: list[str] | None = None) -> int:
                     prompt = list(context)
                 one("faults", prompt, local.randrange(32, 160), local)
 
-        def busiest_md() -> int:
-            """The MD holding the most requests (a kill that misses every request proves nothing)."""
+        def busiest_md() -> str:
+            """The actor name of the MD replica holding the most requests (a kill that misses every
+            request proves nothing); a random one when none holds any."""
+            live = replicas("MainDecode")
+            if not live:
+                raise RuntimeError("no live MainDecode replica")
             running = []
-            for i in range(n_md):
+            for rid in sorted(live):
                 try:
-                    running.append((handle(f"MainDecode{i}").stats.remote().result(timeout_s=10).running, i))
+                    running.append((pinned_handle(app, "MainDecode", rid).stats.remote().result(timeout_s=10).running,
+                                    rid))
                 except Exception:  # noqa: BLE001 - restarting
-                    running.append((-1, i))
+                    running.append((-1, rid))
             best = max(running)
-            return best[1] if best[0] > 0 else rng.randrange(n_md)
+            return live[best[1] if best[0] > 0 else rng.choice(sorted(live))]
 
         def injector() -> None:
             kinds = ["kill_md", "stall", "kill_relay", "cut", "restart_flight"]
@@ -206,17 +235,15 @@ def main(argv: list[str] | None = None) -> int:
                 kind = kinds[i % len(kinds)]
                 i += 1
                 try:
-                    if kind == "kill_md":
-                        md = busiest_md()
-                        for a in ray.util.list_named_actors(all_namespaces=True):
-                            if f"{app}#MainDecode{md}#" in a["name"]:
-                                ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=True)
+                    if kind == "kill_md":  # the replica's actor dies; Serve starts a replacement
+                        ray.kill(ray.get_actor(busiest_md(), namespace="serve"), no_restart=True)
                     elif kind in ("stall", "cut"):
                         handle("Prefill").inject.remote(kind, 12.0).result(timeout_s=30)
                     elif kind == "kill_relay":  # dies a few tokens into its next stream
                         handle("Relay").inject.remote("die_mid_stream", 4).result(timeout_s=30)
                     else:
-                        handle(f"MainDecode{rng.randrange(n_md)}").inject.remote(kind).result(timeout_s=30)
+                        md = rng.choice(sorted(replicas("MainDecode")))
+                        pinned_handle(app, "MainDecode", md).inject.remote(kind).result(timeout_s=30)
                     faults[kind] += 1
                 except Exception as e:  # noqa: BLE001 - a replica still restarting
                     print(f"could not inject {kind}: {e}", file=sys.stderr)
@@ -248,11 +275,13 @@ def main(argv: list[str] | None = None) -> int:
             base: dict[str, int] = {}
             while True:  # how full the pools got, and how often decode preempted to make room
                 alive = any(t.is_alive() for t in fillers)
-                for name in ("Prefill", "Relay", *(f"MainDecode{i}" for i in range(n_md))):
+                seen: dict[str, object] = {}
+                for dep in holders:
                     try:
-                        s = handle(name).stats.remote().result(timeout_s=10)
+                        seen.update(per_replica_stats((dep,), timeout_s=10))
                     except Exception:  # noqa: BLE001 - restarting
                         continue
+                for name, s in seen.items():
                     min_free[name] = min(min_free.get(name, s.free_blocks), s.free_blocks)
                     if "preemptions" in s.extra:  # since the burst began (a restarted replica starts at 0)
                         first = base.setdefault(name, s.extra["preemptions"])
@@ -271,16 +300,16 @@ def main(argv: list[str] | None = None) -> int:
         while True:
             held: dict[str, int] = {}
             try:
-                for name in ("Prefill", "Relay", *(f"MainDecode{i}" for i in range(n_md))):
-                    held[name] = handle(name).stats.remote().result(timeout_s=30).running
-                relay = handle("Relay").stats.remote().result(timeout_s=30)
+                every = per_replica_stats(holders, timeout_s=30)
+                held = {name: s.running for name, s in every.items()}
+                relay_live = sum(len(s.extra["live"]) for name, s in every.items() if name.startswith("Relay#"))
                 router = handle("Router").stats.remote().result(timeout_s=30)
             except Exception:  # a replica the faults killed is still being restored
                 if time.monotonic() > deadline + 120:
                     raise
                 time.sleep(2.0)
                 continue
-            drift = abs(router["relay_running"] - len(relay.extra["live"]))
+            drift = abs(router["relay_running"] - relay_live)
             leaked = sum(held.values())
             if (leaked == 0 and drift == 0) or time.monotonic() > deadline:
                 break

@@ -11,12 +11,14 @@ in order, stopping at the first problem with a message that names the file and t
    resources) and must list exactly `provider.head_ip` + `provider.worker_ips`. Every node type
    carries a `pdd.site` label and declares CPU (and GPU where it has any).
 3. The graph (`metadata.pdd.graph`, a Serve config): every deployment it builds (Router, Prefill,
-   Relay, MainDecode0..N-1, from `args.sites`), with the YAML's `deployments[]` overrides (Serve
-   *replaces* the code's ray_actor_options with the YAML's, so a YAML entry must restate its
-   `label_selector`), must land on a node type with its site's label, and its replicas x
-   num_cpus/num_gpus/resources must pack onto that site's nodes at max_workers (a warning when they
-   don't at min_workers). Cross-site Flight must be reachable (no loopback bind) and a fixed Flight
-   port must not be shared by two MD replicas on one node.
+   Relay, MainDecode, with `args.sites`' replica counts), with the YAML's `deployments[]`
+   overrides (Serve *replaces* the code's ray_actor_options with the YAML's, so a YAML entry must
+   restate its `label_selector`; `num_replicas` or an `autoscaling_config` replaces the count),
+   must land on a node type with its site's label, and its replicas x num_cpus/num_gpus/resources
+   must pack onto that site's nodes at max_workers, an autoscaling deployment at its max_replicas
+   (a warning when what runs at deploy time, min_replicas or initial_replicas, doesn't fit at
+   min_workers). Cross-site Flight must be reachable (no loopback bind) and a fixed Flight port
+   must not be shared by two MD replicas on one node.
 
 `python -m pdd_serve.launch_configs validate FILE...` runs it from a shell; `node-args CONFIG`
 prints `--labels=... --resources=...` for this host from an on-prem config's metadata (the on-prem
@@ -84,13 +86,35 @@ class Demand:
 
     deployment: str
     site: str
-    replicas: int
+    replicas: int  # the most it runs: num_replicas, or autoscaling_config.max_replicas (what the site must hold)
     resources: dict[str, float]  # per replica: CPU, GPU, custom
     where: str  # the graph field that sets it
+    min_replicas: int | None = None  # autoscaling_config.min_replicas; None: a fixed num_replicas
+    initial_replicas: int | None = None  # autoscaling: what runs at deploy time (Serve: initial, else min)
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(f"{self.where}: replicas must be >= 1, got {self.replicas}")
+        if self.min_replicas is not None and not 0 <= self.min_replicas <= self.replicas:
+            raise ValueError(f"{self.where}: need 0 <= min_replicas <= max_replicas, got {self.min_replicas}, "
+                             f"{self.replicas}")
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.min_replicas is not None
+
+    @property
+    def at_start(self) -> int:
+        """The replicas Serve starts when the graph is deployed."""
+        if self.min_replicas is None:
+            return self.replicas
+        return self.min_replicas if self.initial_replicas is None else self.initial_replicas
+
+    def label(self) -> str:
+        """`Prefill x4`, `MainDecode 2-6 (autoscaling)`."""
+        if self.autoscaling:
+            return f"{self.deployment} {self.min_replicas}-{self.replicas} (autoscaling)"
+        return f"{self.deployment} x{self.replicas}"
 
 
 @dataclass(frozen=True)
@@ -118,22 +142,15 @@ class ClusterCheck:
 
 
 def _deployments_text(demands: list[Demand]) -> str:
-    mds = [d for d in demands if d.deployment.startswith("MainDecode")]
-    out = [f"{d.deployment} x{d.replicas}" for d in demands if d not in mds]
-    if mds:
-        out.append(f"MainDecode0..{len(mds) - 1} x1" if len(mds) > 1 else "MainDecode0 x1")
-    return ", ".join(out)
+    """`Router x2, Prefill x4, Relay x2`, `MainDecode 2-6 (autoscaling)`."""
+    return ", ".join(d.label() for d in demands)
 
 
 def _asks_text(demands: list[Demand], resource: str) -> str:
-    """`Prefill 4 x 16, MainDecode0..5 6 x 12`: what each deployment asks of one resource."""
-    mds = [d for d in demands if d.deployment.startswith("MainDecode")]
-    out = [f"{d.deployment} {d.replicas} x {d.resources[resource]:g}" for d in demands if d not in mds]
-    if mds and len({d.resources[resource] for d in mds}) == 1:
-        out.append(f"MainDecode0..{len(mds) - 1} {len(mds)} x {mds[0].resources[resource]:g}")
-    else:
-        out += [f"{d.deployment} 1 x {d.resources[resource]:g}" for d in mds]
-    return ", ".join(out)
+    """`Prefill 4 x 16, MainDecode max 6 x 12`: what each deployment asks of one resource (an
+    autoscaling deployment at its max_replicas)."""
+    return ", ".join(f"{d.deployment} {'max ' if d.autoscaling else ''}{d.replicas} x {d.resources[resource]:g}"
+                     for d in demands)
 
 
 def _shown(p: Path) -> str:
@@ -334,37 +351,34 @@ def graph_demands(graph_path: str | Path) -> tuple[PDDConfig, list[Demand]]:
         raise LaunchConfigError(gp, "http_options.host", str(e)) from None
     s = cfg.sites
     # what build_app builds: name -> (role, replicas, num_cpus)
-    built: dict[str, tuple[str, int, float]] = {"Router": ("router", 1, ROUTER_NUM_CPUS),
+    built: dict[str, tuple[str, int, float]] = {"Router": ("router", s.router_replicas, ROUTER_NUM_CPUS),
                                                 "Prefill": ("prefill", s.prefill_replicas, s.cpus_per_replica)}
     if cfg.uses_relay:
         built["Relay"] = ("relay", s.relay_replicas, s.cpus_per_replica)
-    for i in range(s.main_decode_replicas):
-        built[f"MainDecode{i}"] = ("main_decode", 1, s.cpus_per_replica)
+    built["MainDecode"] = ("main_decode", s.main_decode_replicas, s.cpus_per_replica)
+    given_sites = (app.get("args") or {}).get("sites") or {}  # what args.sites states (not its defaults)
     overrides: dict[str, tuple[int, dict[str, Any]]] = {}
     for i, d in enumerate(app.get("deployments") or []):
         where = f"{pre}.deployments[{i}]"
         name = d.get("name") if isinstance(d, dict) else None
         if name not in built:
+            hint = ""
+            if isinstance(name, str) and re.fullmatch(r"MainDecode\d+", name):
+                hint = ("; main decode is one deployment, MainDecode: set its num_replicas or autoscaling_config "
+                        "(one entry, not one per replica)")
             raise LaunchConfigError(gp, f"{where}.name", f"{name!r} is not a deployment of this graph; it builds "
-                                                         f"{', '.join(built)} (from args.sites and args.policy)")
+                                                         f"{', '.join(built)} (from args.sites and args.policy){hint}")
         overrides[name] = (i, d)
     demands = []
     for name, (role, replicas, cpus) in built.items():
         site, site_field = _site_of(role, cfg)
         where = f"{pre}.{site_field}"
         res: dict[str, float] = {"CPU": cpus}
+        lo = initial = None
         if name in overrides:
             i, d = overrides[name]
             where = f"{pre}.deployments[{i}]"
-            if "num_replicas" in d:
-                if not isinstance(d["num_replicas"], int) or d["num_replicas"] < 1:
-                    raise LaunchConfigError(gp, f"{where}.num_replicas",
-                                            f"must be a fixed int >= 1 (PDD sizes sites up front), got {d['num_replicas']!r}")
-                if name.startswith("MainDecode") and d["num_replicas"] != 1:
-                    raise LaunchConfigError(gp, f"{where}.num_replicas", "each MainDecodeN is one replica "
-                                            "(handoffs must reach the replica that holds the request); "
-                                            "raise args.sites.main_decode_replicas instead")
-                replicas = d["num_replicas"]
+            replicas, lo, initial = _replicas(gp, where, name, role, d, replicas, given_sites)
             if "ray_actor_options" in d:
                 ao = d["ray_actor_options"] or {}
                 aw = f"{where}.ray_actor_options"
@@ -384,8 +398,53 @@ def graph_demands(graph_path: str | Path) -> tuple[PDDConfig, list[Demand]]:
                 if cfg.model.device.startswith("cuda") and role != "router" and not res.get("GPU"):
                     raise LaunchConfigError(gp, f"{aw}.num_gpus", f"{name} runs the model on {cfg.model.device} "
                                             "but asks for no GPU (Ray would hide every GPU from it)")
-        demands.append(Demand(name, site, replicas, res, where))
+        demands.append(Demand(name, site, replicas, res, where, lo, initial))
     return cfg, demands
+
+
+def _replicas(gp: Path, where: str, name: str, role: str, d: dict[str, Any], default: int,
+              given_sites: dict[str, Any]) -> tuple[int, int | None, int | None]:
+    """(max replicas, min_replicas, initial_replicas) of a YAML `deployments[]` entry, as Serve reads
+    it: a fixed `num_replicas`, or an `autoscaling_config` (with `num_replicas` absent or "auto");
+    the min and initial counts are None for a fixed count. Without either, the code's default
+    (`args.sites.<role>_replicas`)."""
+    from ray.serve.config import AutoscalingConfig
+
+    n, auto = d.get("num_replicas"), d.get("autoscaling_config")
+    key = f"{role}_replicas"
+    if n is not None and n != "auto":
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise LaunchConfigError(gp, f"{where}.num_replicas", f"must be an int >= 1 or \"auto\", got {n!r}")
+        if auto is not None:
+            raise LaunchConfigError(gp, f"{where}.autoscaling_config", "set num_replicas or autoscaling_config, not "
+                                    "both (Serve refuses a fixed num_replicas with an autoscaling_config)")
+        if key in given_sites and given_sites[key] != n:
+            raise LaunchConfigError(gp, f"{where}.num_replicas",
+                                    f"{n}, but args.sites.{key} says {given_sites[key]}: Serve runs {n} {name} "
+                                    f"replicas while whatever reads args.sites (the cost model) counts "
+                                    f"{given_sites[key]}; make them agree, or drop args.sites.{key}")
+        return n, None, None
+    if auto is None and n is None:
+        return default, None, None
+    if auto is not None and not isinstance(auto, dict):
+        raise LaunchConfigError(gp, f"{where}.autoscaling_config",
+                                f"must be a mapping (min_replicas, max_replicas, target_ongoing_requests...), got {auto!r}")
+    if n == "auto" and "max_replicas" not in (auto or {}):
+        raise LaunchConfigError(gp, f"{where}.autoscaling_config.max_replicas",
+                                f"missing: num_replicas \"auto\" lets Serve run up to "
+                                f"{AutoscalingConfig.default().max_replicas} {name} replicas, and the site must "
+                                "hold the most it may run; give autoscaling_config.max_replicas")
+    base = AutoscalingConfig.default().model_dump() if n == "auto" else {}
+    try:
+        ac = AutoscalingConfig(**{**base, **(auto or {})})
+    except Exception as e:  # noqa: BLE001 - pydantic's ValidationError (Serve's own check)
+        errs = getattr(e, "errors", None)
+        first = errs()[0] if callable(errs) and errs() else None
+        field_ = ".".join(map(str, first["loc"])) if first and first.get("loc") else ""
+        msg = first["msg"] if first else str(e)
+        raise LaunchConfigError(gp, f"{where}.autoscaling_config" + (f".{field_}" if field_ else ""),
+                                f"{msg} [Serve's AutoscalingConfig]") from None
+    return ac.max_replicas, ac.min_replicas, ac.initial_replicas
 
 
 # ---- fitting ------------------------------------------------------------------------------------
@@ -393,10 +452,11 @@ def graph_demands(graph_path: str | Path) -> tuple[PDDConfig, list[Demand]]:
 
 def _pack(demands: list[Demand], nodes: list[NodeType], count: str) -> tuple[list[tuple[NodeType, dict[str, float]]],
                                                                              list[Demand]]:
-    """First-fit-decreasing of every replica onto the node instances (count: min_count | max_count).
+    """First-fit-decreasing of every replica onto the node instances (count: min_count | max_count;
+    at max_count every deployment at its most replicas, at min_count at what it starts with).
     Returns the instances with what is left on each, and the replicas that found no room."""
     inst = [(t, dict(t.resources)) for t in nodes for _ in range(getattr(t, count))]
-    items = sorted((d for d in demands for _ in range(d.replicas)),
+    items = sorted((d for d in demands for _ in range(d.replicas if count == "max_count" else d.at_start)),
                    key=lambda d: (-d.resources.get("GPU", 0), -d.resources.get("CPU", 0)))
     unplaced = []
     for d in items:
@@ -417,7 +477,7 @@ def _fit(path: Path, graph_path: Path, flavor: str, types: list[NodeType], deman
     for site in sorted({d.site for d in demands}):
         here = [d for d in demands if d.site == site]
         nodes = [t for t in types if t.site == site]
-        names = ", ".join(d.deployment for d in here)
+        names = _deployments_text(here)
         if not nodes:
             raise LaunchConfigError(path, flavor, f"no node type has labels.{SITE_LABEL}: {site}, but {graph_path} "
                                                   f"runs {names} there")
@@ -453,22 +513,24 @@ def _fit(path: Path, graph_path: Path, flavor: str, types: list[NodeType], deman
             warnings.append(f"site {site}: {len(unplaced_min)} replica(s) don't fit at min_workers; the autoscaler "
                             "must add nodes before the graph is up")
         if site == cfg.sites.main_decode and cfg.flight.port != 0 and cfg.sites.prefill != cfg.sites.main_decode:
-            mds = [d for d in here if d.deployment.startswith("MainDecode")]
-            _check_md_port(path, graph_path, nodes, mds, cfg)
+            md = next((d for d in here if d.deployment == "MainDecode"), None)
+            if md is not None:
+                _check_md_port(path, graph_path, nodes, md, cfg)
     return usage, warnings
 
 
-def _check_md_port(path: Path, graph_path: Path, nodes: list[NodeType], mds: list[Demand], cfg: PDDConfig) -> None:
-    if len(mds) < 2:
+def _check_md_port(path: Path, graph_path: Path, nodes: list[NodeType], md: Demand, cfg: PDDConfig) -> None:
+    """A fixed Flight port collides when two MainDecode replicas (up to its max_replicas) share a node."""
+    if md.replicas < 2:
         return
-    need = mds[0].resources
     for t in nodes:
-        per_node = min((int(t.resources.get(r, 0.0) // v) for r, v in need.items() if v > 0), default=len(mds))
+        per_node = min((int(t.resources.get(r, 0.0) // v) for r, v in md.resources.items() if v > 0),
+                       default=md.replicas)
         if per_node >= 2:
             raise LaunchConfigError(graph_path, "applications[0].args.flight.port",
-                                    f"fixed port {cfg.flight.port}, but {min(per_node, len(mds))} MainDecode replicas "
-                                    f"fit on one {t.name} node ({path}) and would collide on it; use port 0 (and "
-                                    "open the ephemeral range) or size MDs to one per node")
+                                    f"fixed port {cfg.flight.port}, but {min(per_node, md.replicas)} MainDecode "
+                                    f"replicas fit on one {t.name} node ({path}) and would collide on it; use port 0 "
+                                    "(and open the ephemeral range) or size MDs to one per node")
 
 
 def _check_flight(graph_path: Path, cfg: PDDConfig) -> None:

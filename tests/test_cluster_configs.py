@@ -46,7 +46,7 @@ def test_shipped_config_is_valid_and_fits_its_graph(path: Path, monkeypatch: pyt
             assert 0 < asked <= cap, (site, r)
     by_site = {d.deployment: d.site for d in check.demands}
     assert by_site["Prefill"] == by_site["Relay"] == by_site["Router"] == "a"
-    assert {s for n, s in by_site.items() if n.startswith("MainDecode")} == {"b"}
+    assert by_site["MainDecode"] == "b" and not any(n.startswith("MainDecode") and n != "MainDecode" for n in by_site)
     assert all(d.resources.get("GPU") == 1 for d in check.demands if d.deployment != "Router")
     assert not check.warnings
     assert check.summary()[0].endswith(f"graph {check.graph_path})")
@@ -108,7 +108,7 @@ def test_missing_site_label_names_file_and_field(tmp_path: Path) -> None:
 def test_no_node_type_for_a_site(tmp_path: Path) -> None:
     p = _broken(tmp_path, "aws-two-site.yaml", lambda d: _nt(d, "site_b")["labels"].update({"pdd.site": "a"}))
     _fails(p, rf"^{re.escape(str(p))}: available_node_types: no node type has labels\.pdd\.site: b, but "
-              r".*aws-pdd\.yaml runs MainDecode0, .*MainDecode5 there")
+              r".*aws-pdd\.yaml runs MainDecode 2-6 \(autoscaling\) there")
 
 
 @pytest.mark.parametrize(("mutate", "pattern"), [
@@ -135,9 +135,15 @@ def test_rays_cross_field_checks_run_too(tmp_path: Path) -> None:
 
 
 def test_too_few_cpus_for_the_graph(tmp_path: Path) -> None:
+    # an autoscaling deployment is counted at its max_replicas: the site must hold the most it may run
     p = _broken(tmp_path, "aws-two-site.yaml", lambda d: _nt(d, "site_b")["resources"].update({"CPU": 24}))
     _fails(p, r"aws-two-site\.yaml: available_node_types\.site_b\.resources\.CPU: site b has 48 CPU on 2 node\(s\) "
-              r"at max_workers, but .*aws-pdd\.yaml asks for 72 \(MainDecode0\.\.5 6 x 12\)")
+              r"at max_workers, but .*aws-pdd\.yaml asks for 72 \(MainDecode max 6 x 12\)")
+    p = _broken(tmp_path, "aws-two-site.yaml", lambda d: _nt(d, "site_b")["resources"].update({"GPU": 2}))
+    _fails(p, r"available_node_types\.site_b\.resources\.GPU: site b has 4 GPU on 2 node\(s\) at max_workers, "
+              r"but .* asks for 6 \(MainDecode max 6 x 1\)")
+    g = _graph(tmp_path, "aws-pdd.yaml", lambda a: _fixed_md(a, 5))  # a fixed count: the same sum
+    _fails(p, r"site b has 4 GPU on 2 node\(s\) at max_workers, but .* asks for 5 \(MainDecode 5 x 1\)", graph=g)
 
 
 def test_too_few_gpus_and_one_replica_too_big(tmp_path: Path) -> None:
@@ -147,14 +153,20 @@ def test_too_few_gpus_and_one_replica_too_big(tmp_path: Path) -> None:
               r"max_workers, but .* asks for 6 \(Prefill 4 x 1, Relay 2 x 1\)")
     p = _broken(tmp_path, "aws-two-site.yaml", lambda d: _nt(d, "site_b")["resources"].update({"CPU": 10}))
     _fails(p, r"available_node_types\.site_b\.resources\.CPU: at most 10 CPU per node at site b, but one "
-              r"MainDecode\d replica asks for 12")
+              r"MainDecode replica asks for 12")
 
 
 def test_min_workers_short_is_a_warning(tmp_path: Path) -> None:
     p = _broken(tmp_path, "aws-two-site.yaml", lambda d: _nt(d, "site_b")["resources"].update({"GPU": 4}))
-    check = validate_cluster_config(p)
+    check = validate_cluster_config(p, _graph(tmp_path, "aws-pdd.yaml", lambda a: _fixed_md(a, 6)))
     assert check.warnings == ("site b: 2 replica(s) don't fit at min_workers; the autoscaler must add nodes "
                               "before the graph is up",)
+    # autoscaling: what runs at deploy time is min_replicas (or initial_replicas), which fits
+    assert not validate_cluster_config(p).warnings
+    g = _graph(tmp_path, "aws-pdd.yaml", lambda a: _dep(a, "MainDecode")["autoscaling_config"].update(
+        {"initial_replicas": 5}))
+    assert validate_cluster_config(p, g).warnings == (
+        "site b: 1 replica(s) don't fit at min_workers; the autoscaler must add nodes before the graph is up",)
 
 
 # ---- broken graphs ----------------------------------------------------------------------------
@@ -172,28 +184,49 @@ def _dep(app: dict[str, Any], name: str) -> dict[str, Any]:
     return next(d for d in app["deployments"] if d["name"] == name)
 
 
+def _fixed_md(app: dict[str, Any], n: int) -> None:
+    """MainDecode at a fixed num_replicas instead of the shipped autoscaling_config."""
+    md = _dep(app, "MainDecode")
+    md.pop("autoscaling_config")
+    md["num_replicas"] = n
+    app["args"]["sites"]["main_decode_replicas"] = n
+
+
 @pytest.mark.parametrize(("mutate", "pattern"), [
-    (lambda a: _dep(a, "MainDecode3")["ray_actor_options"]["label_selector"].update({"pdd.site": "a"}),
-     r"applications\[0\]\.deployments\[6\]\.ray_actor_options\.label_selector\.pdd\.site: 'a', but "
-     r"args\.sites\.main_decode puts MainDecode3 at site 'b'"),
+    (lambda a: _dep(a, "MainDecode")["ray_actor_options"]["label_selector"].update({"pdd.site": "a"}),
+     r"applications\[0\]\.deployments\[3\]\.ray_actor_options\.label_selector\.pdd\.site: 'a', but "
+     r"args\.sites\.main_decode puts MainDecode at site 'b'"),
     (lambda a: _dep(a, "Prefill")["ray_actor_options"].pop("label_selector"),
      r"deployments\[1\]\.ray_actor_options\.label_selector: missing pdd\.site: Serve replaces the code's "
      r"ray_actor_options with these, so Prefill would not be pinned to site 'a'"),
+    (lambda a: a["deployments"].append({"name": "Decode", "ray_actor_options": {"num_cpus": 1}}),
+     r"deployments\[4\]\.name: 'Decode' is not a deployment of this graph; it builds Router, Prefill, Relay, "
+     r"MainDecode \(from args\.sites and args\.policy\)$"),
     (lambda a: a["deployments"].append({"name": "MainDecode6", "ray_actor_options": {"num_cpus": 1}}),
-     r"deployments\[9\]\.name: 'MainDecode6' is not a deployment of this graph; it builds Router, Prefill, Relay, "
-     r"MainDecode0"),
+     r"deployments\[4\]\.name: 'MainDecode6' is not a deployment of this graph; .*main decode is one deployment, "
+     r"MainDecode: set its num_replicas or autoscaling_config"),
     (lambda a: _dep(a, "Relay")["ray_actor_options"].pop("num_gpus"),
      r"deployments\[2\]\.ray_actor_options\.num_gpus: Relay runs the model on cuda but asks for no GPU"),
     (lambda a: a["args"]["flight"].update({"bind_host": "127.0.0.1"}),
      r"applications\[0\]\.args\.flight\.bind_host: '127\.0\.0\.1' is loopback"),
     (lambda a: a["args"]["flight"].update({"port": 50051}),
      r"applications\[0\]\.args\.flight\.port: fixed port 50051, but 6 MainDecode replicas fit on one site_b node"),
-    (lambda a: a["args"]["sites"].update({"main_decode_replicas": 2}),
-     r"deployments\[5\]\.name: 'MainDecode2' is not a deployment of this graph"),
+    (lambda a: a["args"]["sites"].update({"router_replicas": 3}),
+     r"deployments\[0\]\.num_replicas: 2, but args\.sites\.router_replicas says 3: Serve runs 2 Router replicas"),
+    (lambda a: _dep(a, "MainDecode").update({"num_replicas": 6}),
+     r"deployments\[3\]\.autoscaling_config: set num_replicas or autoscaling_config, not both"),
+    (lambda a: _dep(a, "MainDecode")["autoscaling_config"].update({"min_replicas": 7}),
+     r"deployments\[3\]\.autoscaling_config: .*max_replicas \(6\) must be greater than or equal to min_replicas "
+     r"\(7\).*\[Serve's AutoscalingConfig\]"),
+    (lambda a: _dep(a, "MainDecode").update({"num_replicas": "auto", "autoscaling_config": {"min_replicas": 1}}),
+     r"deployments\[3\]\.autoscaling_config\.max_replicas: missing: num_replicas \"auto\" lets Serve run up to 100"),
+    (lambda a: _dep(a, "Prefill").update({"num_replicas": 0}),
+     r"deployments\[1\]\.num_replicas: must be an int >= 1 or \"auto\", got 0"),
     (lambda a: a["args"]["policy"].update({"wan_budget_s": -1}),
      r"applications\[0\]\.args: policy: policy\.wan_budget_s must be >= 0"),
-], ids=["selector-wrong-site", "selector-missing", "unknown-deployment", "cuda-without-gpu", "loopback-flight",
-        "fixed-flight-port-shared", "replicas-vs-deployments", "bad-args"])
+], ids=["selector-wrong-site", "selector-missing", "unknown-deployment", "old-per-replica-name", "cuda-without-gpu",
+        "loopback-flight", "fixed-flight-port-shared", "replicas-vs-deployments", "replicas-and-autoscaling",
+        "autoscaling-min-over-max", "auto-without-max", "zero-replicas", "bad-args"])
 def test_broken_graph_names_graph_file_and_field(tmp_path: Path, mutate: Callable, pattern: str) -> None:
     g = _graph(tmp_path, "aws-pdd.yaml", mutate)
     msg = _fails(_broken(tmp_path, "aws-two-site.yaml", lambda d: None), pattern, graph=g)
@@ -229,12 +262,19 @@ def test_an_open_graph_is_refused_at_load_unless_it_says_allow_insecure(tmp_path
     graph_demands(g)
 
 
-def test_graph_demands_follow_build_app_defaults() -> None:
-    """Without YAML overrides a deployment asks what build_app gives it (sites.cpus_per_replica)."""
-    cfg, demands = graph_demands(ROOT / "graphs" / "pdd.yaml")
-    asks = {d.deployment: (d.site, d.replicas, d.resources) for d in demands}
-    assert asks == {"Router": ("a", 1, {"CPU": 0.25}), "Prefill": ("a", 1, {"CPU": 0.5}),
-                    "Relay": ("a", 1, {"CPU": 0.5}), "MainDecode0": ("b", 1, {"CPU": 0.5})}
+def test_graph_demands_follow_build_app_defaults(tmp_path: Path) -> None:
+    """Without YAML overrides a deployment asks what build_app gives it (args.sites' replica counts,
+    sites.cpus_per_replica): one MainDecode deployment of main_decode_replicas, router_replicas Routers."""
+    doc = yaml.safe_load((ROOT / "graphs" / "pdd.yaml").read_text())
+    app = doc["applications"][0]
+    app.pop("deployments", None)
+    app["args"]["sites"].update({"router_replicas": 2, "main_decode_replicas": 3})
+    g = tmp_path / "pdd.yaml"
+    g.write_text(yaml.safe_dump(doc, sort_keys=False))
+    cfg, demands = graph_demands(g)
+    asks = {d.deployment: (d.site, d.replicas, d.resources, d.autoscaling) for d in demands}
+    assert asks == {"Router": ("a", 2, {"CPU": 0.25}, False), "Prefill": ("a", 1, {"CPU": 0.5}, False),
+                    "Relay": ("a", 1, {"CPU": 0.5}, False), "MainDecode": ("b", 3, {"CPU": 0.5}, False)}
 
 
 # ---- on-prem ----------------------------------------------------------------------------------
@@ -275,7 +315,9 @@ def test_cli(capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: py
     monkeypatch.chdir(ROOT)
     assert main(["validate", *map(str, SHIPPED)]) == 0
     out = capsys.readouterr().out
-    assert out.count(": OK (") == 3 and "site b: nodes site_b x2-2; runs MainDecode0..11 x1" in out
+    assert out.count(": OK (") == 3 and "site b: nodes site_b x2-2; runs MainDecode x12" in out
+    assert "site b: nodes site_b x1-2; runs MainDecode 2-6 (autoscaling); uses CPU 72/192, GPU 6/16" in out
+    assert "runs Router x2, Prefill x4, Relay x2" in out
     bad = _broken(tmp_path, "aws-two-site.yaml", lambda d: _nt(d, "site_b")["labels"].pop("pdd.site"))
     assert main(["validate", str(bad)]) == 1
     assert "available_node_types.site_b.labels: missing pdd.site" in capsys.readouterr().err

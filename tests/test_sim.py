@@ -262,8 +262,11 @@ def test_planner_meets_sla_in_simulation(tiny, tmp_path: Path) -> None:
     sites = g["applications"][0]["args"]["sites"]
     assert (sites["prefill_replicas"], sites["relay_replicas"], sites["main_decode_replicas"]) == (
         b.counts["prefill"], b.counts["relay"], b.counts["main_decode"])
-    mds = [d["name"] for d in g["applications"][0]["deployments"] if d["name"].startswith("MainDecode")]
-    assert len(mds) == b.counts["main_decode"]
+    deps = {d["name"]: d for d in g["applications"][0]["deployments"]}
+    assert [n for n in deps if n.startswith("MainDecode")] == ["MainDecode"]  # one deployment, N replicas
+    assert (deps["Prefill"]["num_replicas"], deps["Relay"]["num_replicas"], deps["MainDecode"]["num_replicas"]) == (
+        b.counts["prefill"], b.counts["relay"], b.counts["main_decode"])
+    assert "autoscaling_config" not in deps["MainDecode"]
     nodes = cluster_nodes(tiny, res)
     assert nodes["sites"]["a"]["a"]["chips"] == b.counts["prefill"] + b.counts["relay"]
 
@@ -497,8 +500,13 @@ def test_plan_for_a_trace_writes_a_servable_graph(tiny, tmp_path: Path, capsys) 
     doc = yaml.safe_load((out / "graph.yaml").read_text())
     app = doc["applications"][0]
     assert app["import_path"] == "pdd_serve.serve.app:build_app"
-    assert sorted(d["name"] for d in app["deployments"] if d["name"].startswith("MainDecode")) == sorted(
-        f"MainDecode{i}" for i in range(best["site_b"]["main_decode"]))
+    mds = [d for d in app["deployments"] if d["name"].startswith("MainDecode")]
+    assert [(d["name"], d["num_replicas"]) for d in mds] == [("MainDecode", best["site_b"]["main_decode"])]
+    assert "autoscaling_config" not in mds[0]  # the plan's count is fixed
+    from pdd_serve.launch_configs import graph_demands
+
+    _, demands = graph_demands(out / "graph.yaml")  # what the cluster-config check reads agrees
+    assert {d.deployment: d.replicas for d in demands}["MainDecode"] == best["site_b"]["main_decode"]
     assert (out / "bcr_knobs.png").stat().st_size > 0 and (out / "cluster_nodes.yaml").exists()
     rows = list(__import__("csv").DictReader((out / "candidates.csv").open()))
     assert {float(r["wan_budget_s"]) for r in rows} >= {0.05, 1.0}  # the policy was searched too

@@ -310,10 +310,19 @@ def graph_yaml(sc: Scenario, res: PlanResult, template_path: str | Path) -> str:
     args["link"] = {"preset": ls.preset, **{k: (list(v) if isinstance(v, tuple) else v) for k, v in ls.overrides}}
     if sc.plan.get("model_path"):
         args["model"]["path"] = sc.plan["model_path"]
-    deps = [d for d in app.get("deployments", []) if not str(d.get("name", "")).startswith("MainDecode")]
-    md = next((d for d in app.get("deployments", []) if str(d.get("name", "")).startswith("MainDecode")), None)
-    for i in range(b.counts["main_decode"]):
-        deps.append({**(md or {}), "name": f"MainDecode{i}"})
+    # the planned counts are fixed: each planned deployment's entry says `num_replicas` (and drops the
+    # template's autoscaling_config); MainDecode is one deployment (a template's older per-replica
+    # entries, one per MD, fold into it)
+    planned = {"Prefill": b.counts["prefill"], "Relay": b.counts["relay"], "MainDecode": b.counts["main_decode"]}
+    deps: list[dict[str, Any]] = []
+    for d in app.get("deployments", []):
+        name = "MainDecode" if str(d.get("name", "")).startswith("MainDecode") else d.get("name")
+        if name in planned:
+            if any(x.get("name") == name for x in deps):
+                continue
+            rest = {k: v for k, v in d.items() if k not in ("name", "num_replicas", "autoscaling_config")}
+            d = {"name": name, "num_replicas": planned[name], **rest}
+        deps.append(d)
     app["deployments"] = deps
     load = (f"the trace {Path(res.trace).name} ({res.target_rps:.2f} req/s)" if res.trace
             else f"{res.target_rps:g} req/s")
