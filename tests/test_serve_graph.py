@@ -319,3 +319,30 @@ def test_cross_site_calls_pay_the_link_on_real_handles(graph):
     assert asyncio.run(rtt(site_handle(md, True, link))) < 2 * 0.05
     st = _handle("Router").stats.remote().result(timeout_s=60)
     assert st["control_messages_delayed"] > 0  # the graph's own Router -> MD traffic paid the link
+
+
+def test_metrics_endpoint_serves_the_cluster_view(graph):
+    """GET /metrics on the API's own port: the Prometheus text of every Ray node's metrics export,
+    PDD's families under Ray's names and vLLM's, after a request (Ray's agents export every few
+    seconds: poll). The prod app has API keys and hides cache facts, so only an admin key reads it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = {"model": "pdd-small", "prompt": "metrics at the API port", "max_tokens": 4, "temperature": 0}
+    assert httpx.post(f"{graph}/v1/completions", json=body, timeout=300).status_code == 200
+    deadline = time.monotonic() + 90
+    while True:
+        r = httpx.get(f"{graph}/metrics", timeout=30)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain"), r.text[:500]
+        if "ray_pdd_requests_total{" in r.text and "vllm:time_to_first_token_seconds_bucket{" in r.text:
+            break
+        assert time.monotonic() < deadline, r.text[-3000:]
+        time.sleep(2)
+    fams = {f.name: f for f in text_string_to_metric_families(r.text)}
+    nodes = {s.labels["outcome"]: s.value for s in fams["pdd_metrics_nodes"].samples}
+    assert nodes == {"ok": 2.0, "failed": 0.0}  # both sites' nodes read
+    assert sum(s.value for s in fams["vllm:request_success"].samples if s.labels.get("application") == "pdd") >= 1
+    assert any(s.labels["model_name"] == "pdd-small" for s in fams["vllm:generation_tokens"].samples)
+    assert not any(n.startswith(("ray_node_", "ray_gcs_")) for n in fams)  # Ray's system metrics stay on Ray's port
+    assert httpx.get(f"{graph}/prod/metrics", timeout=30).status_code == 401
+    auth = {"authorization": f"Bearer {API_KEY}"}
+    assert httpx.get(f"{graph}/prod/metrics", headers=auth, timeout=30).status_code == 403

@@ -119,6 +119,18 @@ class Router:
     async def health(self) -> dict:
         return {"status": "ok", "graph": self.cfg.graph, "in_flight": self.in_flight}
 
+    @api.get("/metrics")
+    async def prometheus_metrics(self, request: Request) -> Response:
+        """Prometheus text for the whole cluster (every Ray node's metrics export): PDD and Serve
+        families plus their vLLM names (pdd_serve/metrics.py; README "Metrics")."""
+        from pdd_serve import metrics as pm
+
+        try:
+            pm.check_metrics_access(request.headers, self.cfg.server)
+        except oai.APIError as e:
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
+        return Response(await pm.cluster_metrics_text(self.cfg.server.model_name), media_type=pm.CONTENT_TYPE)
+
     @api.get("/v1/models")
     async def models(self, request: Request) -> Response:
         try:
