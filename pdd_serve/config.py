@@ -175,7 +175,8 @@ class SiteConfig:
     router: str = "a"
     prefill_replicas: int = 1
     relay_replicas: int = 1
-    main_decode_replicas: int = 1
+    main_decode_replicas: int = 1  # the default: the graph's `deployments:` may set num_replicas or autoscaling
+    router_replicas: int = 1  # Routers hold no state only they know: any number decide as one would
     cpus_per_replica: float = 0.5
     # the chip each site runs, by name, for the evaluations' cost model (BCR): `chips: {a: h100-sxm,
     # b: h20}`. pdd_serve only stores the names; evaluations/chips.yaml is the catalog that checks them.
@@ -192,7 +193,7 @@ class SiteConfig:
                  f"sites.chips must map site labels to chip names, e.g. {{a: h100-sxm, b: h20}}, got {self.chips!r}")
         for role in ("prefill", "relay", "main_decode", "router"):
             _require(bool(getattr(self, role)), f"sites.{role} must name a site label")
-        for role in ("prefill_replicas", "relay_replicas", "main_decode_replicas"):
+        for role in ("prefill_replicas", "relay_replicas", "main_decode_replicas", "router_replicas"):
             _require(getattr(self, role) >= 1, f"sites.{role} must be >= 1")
         _require(self.cpus_per_replica >= 0, "sites.cpus_per_replica must be >= 0")
 

@@ -5,6 +5,7 @@ The real Router and the simulator call exactly these, so one policy runs in both
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 from pdd_serve.config import PolicyConfig
@@ -39,7 +40,7 @@ def wan_backlog(flows: list[tuple[int, float]], now: float, bandwidth_bps: float
 class MDStatus:
     """What a Main decode replica reports when the router asks about a request."""
 
-    index: int
+    index: Hashable  # the replica's key (its Serve replica id; the simulator numbers them)
     hit_blocks: int  # leading prompt blocks already in its DRC
     running: int  # sequences decoding now
     capacity: int  # decode batch cap
@@ -81,7 +82,7 @@ def choose_pipeline(prompt_tokens: int, max_tokens: int, missing_bytes: int, lin
 
 
 def pick_md(candidates: list[MDStatus], prompt_blocks: int, block_bytes: int, link: LinkEstimate,
-            load_penalty_s: float = 0.05) -> int:
+            load_penalty_s: float = 0.05) -> Hashable:
     """The MD replica with the smallest estimated cost: transfer of the blocks it lacks (DRC prefix
     affinity) plus a load term. Full or unhealthy replicas are skipped while another is free."""
     usable = [c for c in candidates if c.healthy] or candidates

@@ -51,8 +51,10 @@ class _Handle:
         self.arrived: list[float] = []
         self.stream: _Stream | None = None
 
-    def options(self, stream: bool = False):
-        return _Handle(streaming=stream) if stream != self.streaming else self
+    def options(self, method_name: str | None = None, stream: bool = False, session_id: str | None = None):
+        h = _Handle(streaming=stream) if stream != self.streaming else self
+        h.session_id = session_id
+        return _Method(h, method_name) if method_name else h
 
     def __getattr__(self, name: str):
         return _Method(self, name)

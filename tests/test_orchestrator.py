@@ -31,7 +31,7 @@ class InProcessBackends:
         self.mds = [Engine.from_pretrained(model_dir) for _ in range(num_md)]
         self.pw, self.rw = EngineWorker(self.p), EngineWorker(self.r)
         self.mws = [EngineWorker(e) for e in self.mds]
-        self.num_md = num_md
+        self.live: list[int] | None = list(range(num_md))  # as Serve's request router knows them
         self.wan_delay_s = wan_delay_s
         self.relay_step_s = relay_step_s
         self.md_seqs: list[dict] = [{} for _ in range(num_md)]
@@ -57,12 +57,29 @@ class InProcessBackends:
         self.tombstones: dict[str, int] = {}  # aborts that found no registration, by attempt
         self.attempts: dict[str, int] = {}
 
+    def md_replicas(self):
+        return self.live
+
+    def prefill_replicas(self):  # one sender here: the router's own ledger is the whole line
+        return None
+
+    async def line_state(self, i):
+        raise AssertionError("no Prefill replicas to poll")
+
+    def relay_load(self):
+        return None
+
+    def _unpinned(self, i):  # as PinnedRequestRouter: an unpinned call goes to the least loaded
+        return min(self.live or range(len(self.mds)), key=lambda j: len(self.md_seqs[j])) if i is None else i
+
     async def md_view(self, i, known):
+        i = self._unpinned(i)
         c = self.mds[i].cache
         return MDView(i, f"e{self.epochs[i]}", c.stats.inserted_blocks + c.stats.evicted_blocks, tuple(c.nodes),
                       len(self.md_seqs[i]), 32, f"inproc://md{i}")
 
     async def md_prepare(self, i, req: GenRequest, planned_start):
+        i = self._unpinned(i)
         await asyncio.sleep(self.prepare_delay_s)
         gone = self.tombstones.get(req.request_id)
         if gone is not None and gone >= req.attempt:  # as MainDecode: an abort overtook this prepare

@@ -97,15 +97,24 @@ def _handle(name: str, app: str = "pdd"):
     return serve.get_deployment_handle(name, app)
 
 
+def _replicas(name: str, app: str = "pdd") -> list:
+    """A handle pinned to each live replica of a deployment (PinnedRequestRouter honours the pin)."""
+    from pdd_serve.serve.pinning import pinned_handle, replica_actors
+
+    return [pinned_handle(app, name, r) for r in sorted(replica_actors(app, name))]
+
+
 def test_every_replica_runs_on_its_site(graph):
-    expect = {"Router": "a", "Prefill": "a", "Relay": "a", "MainDecode0": "b", "MainDecode1": "b"}
+    expect = {"Router": "a", "Prefill": "a", "Relay": "a", "MainDecode": "b"}
     for app in ("pdd", "pdd_prod"):
         for name, site in expect.items():
-            if app == "pdd_prod" and name == "MainDecode1":
-                continue
-            st = _handle(name, app).stats.remote().result(timeout_s=60)
-            where = st if isinstance(st, dict) else st.extra
-            assert where["site"] == site, (app, name, where)
+            handles = _replicas(name, app) if name != "Router" else [_handle(name, app)]
+            assert handles, (app, name)
+            for h in handles:
+                st = h.stats.remote().result(timeout_s=60)
+                where = st if isinstance(st, dict) else st.extra
+                assert where["site"] == site, (app, name, where)
+    assert len(_replicas("MainDecode")) == 2  # pdd_dev.yaml: num_replicas 2 of one deployment
 
 
 @pytest.mark.parametrize("pdd, seed", [
@@ -146,7 +155,9 @@ def test_policy_routes_cold_to_relay_and_next_turn_to_md_with_affinity(graph, re
     from pdd_serve.engine.kv import block_hashes
 
     hashes = block_hashes(turn1, 16)
-    md = _handle(f"MainDecode{a['pdd']['md_replica']}")
+    from pdd_serve.serve.pinning import pinned_handle
+
+    md = pinned_handle("pdd", "MainDecode", a["pdd"]["md_replica"])
     deadline = time.monotonic() + 30
     while (not set(hashes) <= set(md.routing_view.remote(None).result(timeout_s=30).hashes)
            and time.monotonic() < deadline):
@@ -219,7 +230,7 @@ def test_cancelled_stream_frees_relay_and_md(graph):
                 n += 1
                 if n == 5:
                     break
-    relay, mds = _handle("Relay"), [_handle("MainDecode0"), _handle("MainDecode1")]
+    relay, mds = _handle("Relay"), _replicas("MainDecode")
     def freed(r_st, m_st) -> bool:
         return (r_st.running == 0 and r_st.free_blocks == r_st.total_blocks
                 and all(s.running == 0 and s.free_blocks + s.cached_blocks == s.total_blocks for s in m_st))
@@ -272,9 +283,10 @@ def test_api_keys_are_required_when_configured(graph):
 
 
 def test_overload_gets_clean_503_and_accepted_requests_complete(graph, ref_engine):
-    """2x the router's queue bound (server.max_queue: 3) at once: the excess is refused at once
-    with 503 + Retry-After (no unbounded queueing), everything admitted completes correctly."""
-    jobs = [_cold_prompt(300 + i, 400) for i in range(6)]
+    """2x the routers' queue bound (server.max_queue: 3 in each of the 2 Router replicas) at once:
+    the excess is refused at once with 503 + Retry-After (no unbounded queueing), everything
+    admitted completes correctly."""
+    jobs = [_cold_prompt(300 + i, 400) for i in range(12)]
 
     async def one(client: httpx.AsyncClient, prompt: list[int]) -> httpx.Response:
         body = {"model": "pdd-small", "prompt": prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True,
@@ -305,7 +317,7 @@ def test_cross_site_calls_pay_the_link_on_real_handles(graph):
     from pdd_serve.transport.link import LinkModel
 
     link = LinkModel(one_way_latency_s=0.05)
-    md = _handle("MainDecode0")
+    md = _handle("MainDecode")
 
     async def rtt(h) -> float:
         best = float("inf")

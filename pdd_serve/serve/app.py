@@ -20,11 +20,6 @@ from pdd_serve.serve.relay import Relay
 from pdd_serve.serve.router import Router
 
 
-def md_name(i: int) -> str:
-    # one deployment per MD replica: handoffs must reach the replica that holds the request
-    return f"MainDecode{i}"
-
-
 def build_app(args: dict[str, Any] | PDDConfig | None = None) -> Application:
     cfg = load_config(args)
     if cfg.flight.token is None:  # one random Flight token per deployed graph, shared by P and MD
@@ -36,6 +31,8 @@ def build_app(args: dict[str, Any] | PDDConfig | None = None) -> Application:
     relay = None
     if cfg.uses_relay:
         relay = Relay.options(num_replicas=s.relay_replicas, ray_actor_options=actor_options(cfg, s.relay)).bind(cfg)
-    mds = [MainDecode.options(name=md_name(i), num_replicas=1, ray_actor_options=actor_options(cfg, s.main_decode))
-           .bind(cfg, i) for i in range(s.main_decode_replicas)]
-    return Router.options(ray_actor_options=actor_options(cfg, s.router, num_cpus=0.25)).bind(cfg, prefill, relay, mds)
+    # one deployment: the graph's `deployments:` entry for MainDecode sets `num_replicas` or an
+    # `autoscaling_config` as for any Serve deployment (`sites.main_decode_replicas` is the default)
+    md = MainDecode.options(num_replicas=s.main_decode_replicas, ray_actor_options=actor_options(cfg, s.main_decode)).bind(cfg)
+    return Router.options(num_replicas=s.router_replicas,
+                          ray_actor_options=actor_options(cfg, s.router, num_cpus=0.25)).bind(cfg, prefill, relay, md)

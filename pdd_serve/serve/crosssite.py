@@ -22,6 +22,16 @@ from typing import Any
 _END = object()
 
 
+def _method(handle: Any, method: str, session_id: str | None, stream: bool = False) -> Any:
+    """`handle.method`, streaming or not, pinned to a replica when `session_id` names one."""
+    opts: dict[str, Any] = {"method_name": method}
+    if stream:
+        opts["stream"] = True
+    if session_id is not None:
+        opts["session_id"] = session_id
+    return handle.options(**opts)
+
+
 class CrossSiteHandle:
     """A Serve deployment handle whose every message crosses the WAN (`link.latency_at`)."""
 
@@ -33,16 +43,16 @@ class CrossSiteHandle:
         self.messages += 1
         return self.link.latency_at(self.link.now())
 
-    async def call(self, method: str, *args: Any) -> Any:
+    async def call(self, method: str, *args: Any, session_id: str | None = None) -> Any:
         await asyncio.sleep(self.delay_s())
-        result = await getattr(self.handle, method).remote(*args)
+        result = await _method(self.handle, method, session_id).remote(*args)
         await asyncio.sleep(self.delay_s())
         return result
 
-    async def stream(self, method: str, *args: Any) -> AsyncIterator[Any]:
+    async def stream(self, method: str, *args: Any, session_id: str | None = None) -> AsyncIterator[Any]:
         """A streaming call; closing this generator cancels the remote stream at once."""
         await asyncio.sleep(self.delay_s())
-        gen = getattr(self.handle.options(stream=True), method).remote(*args)
+        gen = _method(self.handle, method, session_id, stream=True).remote(*args)
         q: asyncio.Queue = asyncio.Queue()
 
         async def read() -> None:  # records when each chunk arrived at the far end of the line
@@ -80,11 +90,11 @@ class LocalHandle:
         self.handle = handle
         self.messages = 0
 
-    async def call(self, method: str, *args: Any) -> Any:
-        return await getattr(self.handle, method).remote(*args)
+    async def call(self, method: str, *args: Any, session_id: str | None = None) -> Any:
+        return await _method(self.handle, method, session_id).remote(*args)
 
-    def stream(self, method: str, *args: Any) -> AsyncIterator[Any]:
-        return getattr(self.handle.options(stream=True), method).remote(*args)
+    def stream(self, method: str, *args: Any, session_id: str | None = None) -> AsyncIterator[Any]:
+        return _method(self.handle, method, session_id, stream=True).remote(*args)
 
 
 def site_handle(handle: Any, same_site: bool, link: Any) -> CrossSiteHandle | LocalHandle:

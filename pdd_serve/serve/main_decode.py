@@ -16,18 +16,26 @@ from pdd_serve.engine.kv import block_hashes, blocks_needed
 from pdd_serve.engine.scheduler import EngineWorker
 from pdd_serve.serve.common import load_engine, logger, placement
 from pdd_serve.serve.messages import GenRequest, KVReady, MDPrepareReply, MDView, ReplicaStats, TokenChunk
+from pdd_serve.serve.pinning import ROUTER_CLASS, check_pin, this_replica
 
 
 class MDRequestError(RuntimeError):
     """The router asked about a request this MD replica does not hold (restarted, aborted)."""
 
 
-# no per-call access log: every router polls `routing_view` several times a second (the Router's
-# own access log still shows every request; a graph's `logging_config` can turn this back on)
-@serve.deployment(max_ongoing_requests=512, health_check_period_s=5, logging_config={"enable_access_log": False})
+# One deployment, any number of replicas (`num_replicas` or an `autoscaling_config` in the graph):
+# Serve's request router pins every call about a request to the replica that holds it
+# (`pinning.py`). No per-call access log: every router polls `routing_view` several times a
+# second (the Router's own access log shows every request; a graph's `logging_config` can turn
+# this back on).
+@serve.deployment(max_ongoing_requests=512, health_check_period_s=5, logging_config={"enable_access_log": False},
+                  graceful_shutdown_timeout_s=30,
+                  request_router_config={"request_router_class": ROUTER_CLASS,
+                                         "request_routing_stats_period_s": 1.0})
 class MainDecode:
-    def __init__(self, cfg: PDDConfig, index: int = 0) -> None:
-        self.cfg, self.index = cfg, index
+    def __init__(self, cfg: PDDConfig, replica: str | None = None) -> None:
+        self.cfg = cfg
+        self.replica = replica or this_replica()
         self.engine = load_engine(cfg.engine_for("main_decode"), enable_prefix_cache=cfg.policy.drc)
         self.worker = EngineWorker(self.engine, cfg.engine_for("main_decode").max_batch)
         self.where = placement()
@@ -45,9 +53,15 @@ class MainDecode:
         self._aborted: dict[str, tuple[int, float]] = {}
         self._attempt: dict[str, int] = {}  # the attempt each registered request came with
         self._reaper_task: asyncio.Task | None = None
-        logger.info("MainDecode %d: Flight at %s", index, self.flight.location)
+        logger.info("MainDecode replica %s: Flight at %s", self.replica, self.flight.location)
 
     # ------------------------------------------------------------ control plane
+
+    def record_routing_stats(self) -> dict:
+        """Serve's routing stats (polled by the controller, handed to every request router): the
+        load an unpinned call is routed by. The DRC's hashes go by `routing_view`, which the
+        routers poll directly, more often and only when changed."""
+        return {"running": len(self.seqs), "capacity": self.worker.max_batch, "free_blocks": self.engine.pool.num_free}
 
     def routing_view(self, known: tuple[str, int] | None = None) -> MDView:
         """What this replica caches and how loaded it is, for the routers' background view (their
@@ -57,7 +71,7 @@ class MainDecode:
         epoch = f"{self.started_at}:{self.flight.location}"
         # list(dict) runs in C under the GIL: a consistent copy while the engine thread inserts
         hashes = None if known == (epoch, version) else tuple(cache.nodes) if cache is not None else ()
-        return MDView(self.index, epoch, version, hashes, len(self.seqs), self.cfg.engine_for("main_decode").max_batch,
+        return MDView(self.replica, epoch, version, hashes, len(self.seqs), self.cfg.engine_for("main_decode").max_batch,
                       self.flight.location)
 
     async def prepare(self, req: GenRequest, planned_start: int | None = None) -> MDPrepareReply:
@@ -68,6 +82,7 @@ class MainDecode:
         the rest from the stream (the stale view costs bytes); holding less, it expects from its
         own start and the router has Prefill send the gap."""
         rid = req.request_id
+        check_pin(self.replica)
         try:
             self._refuse_if_aborted(req)
             if rid in self.seqs:  # a re-delivery after a lost transfer: start the request over
@@ -97,10 +112,11 @@ class MainDecode:
         self._t_prepare[req.request_id] = self._touched[req.request_id] = time.monotonic()
         if self._reaper_task is None or self._reaper_task.done():
             self._reaper_task = asyncio.get_running_loop().create_task(self._reaper())
-        return MDPrepareReply(self.index, hit, start, n, self.flight.location)
+        return MDPrepareReply(self.replica, hit, start, n, self.flight.location)
 
     async def wait_kv(self, request_id: str, timeout_s: float) -> KVReady:
         """Wait (bounded) until the prompt's KV has arrived and is loaded."""
+        check_pin(self.replica)
         with self._call(request_id):
             return await self._wait_kv(request_id, timeout_s)
 
@@ -136,6 +152,7 @@ class MainDecode:
     async def handoff_batch(self, request_id: str, token_ids: list[int], timeout_s: float) -> int:
         """Catch-up handoff: build KV for a batch of committed tokens (no sampling yet).
         Returns how many output tokens MD now holds."""
+        check_pin(self.replica)
         with self._call(request_id):
             seq = await self._ready(request_id, timeout_s)
             if token_ids:
@@ -145,6 +162,7 @@ class MainDecode:
     async def decode(self, request_id: str, committed: list[int], timeout_s: float) -> AsyncIterator[TokenChunk]:
         """Take over a request: extend over the committed tokens MD lacks, then decode in the
         shared batch. `committed` is everything the client has seen (the router's truth)."""
+        check_pin(self.replica)
         final: TokenChunk | None = None
         self._calls[request_id] = self._calls.get(request_id, 0) + 1  # decoding: never an orphan
         try:
@@ -175,6 +193,7 @@ class MainDecode:
     async def absorb(self, request_id: str, output_ids: list[int], timeout_s: float) -> bool:
         """The relay finished a request before the handoff: build the output's KV anyway so MD's
         DRC stays aligned with P's (PDD.md: both pipelines end at MD)."""
+        check_pin(self.replica)
         try:
             seq = await self._ready(request_id, timeout_s)
             new = list(output_ids[len(seq.output_ids):])
@@ -190,6 +209,7 @@ class MainDecode:
 
     async def abort(self, request_id: str, attempt: int | None = None) -> bool:
         """Drop a request (`attempt`: only that registration or an earlier one; None: any)."""
+        check_pin(self.replica)
         held = self._attempt.get(request_id)
         if held is not None and attempt is not None and held > attempt:
             return False  # a later re-delivery holds it now: this abort is stale
@@ -218,7 +238,7 @@ class MainDecode:
         e = self.engine
         return ReplicaStats("main_decode", len(self.seqs), e.pool.num_free, e.pool.num_blocks,
                             e.cache.num_blocks if e.cache else 0, e.cache.stats.hit_rate if e.cache else 0.0,
-                            {"flight": self.flight.location, "index": self.index, "calls": len(self._calls),
+                            {"flight": self.flight.location, "replica": self.replica, "calls": len(self._calls),
                              "registering": len(self._registered), "worker_running": self.worker.num_running,
                              "flight_bytes_reserved": self.flight.bytes_reserved, "started_at": self.started_at,
                              "preemptions": e.preemptions,
@@ -274,7 +294,7 @@ class MainDecode:
     def _seq(self, request_id: str) -> Sequence:
         seq = self.seqs.get(request_id)
         if seq is None:
-            raise MDRequestError(f"request {request_id} is not registered at MD {self.index}")
+            raise MDRequestError(f"request {request_id} is not registered at MD replica {self.replica}")
         return seq
 
     async def _seq_registered(self, request_id: str, timeout_s: float) -> Sequence:

@@ -13,7 +13,7 @@ bytes or a resend, never a token. Pure: no Ray, unit-tested as is.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
 from pdd_serve.policy import MDStatus
@@ -29,17 +29,15 @@ class _Entry:
 
 
 class MDIndex:
-    def __init__(self, num_md: int, max_age_s: float, settle_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.num_md = num_md
+    def __init__(self, max_age_s: float, settle_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_age_s = max_age_s  # an MD whose view is older than this counts as unhealthy
         self.settle_s = settle_s  # a request sent this long before a view is in the view's load
         self.clock = clock
-        self.entries: dict[int, _Entry] = {}
-        self.failures: dict[int, int] = {}
+        self.entries: dict[Hashable, _Entry] = {}  # by replica key (a Serve replica id)
+        self.failures: dict[Hashable, int] = {}
 
     def update(self, view: MDView) -> None:
-        old = self.entries.get(view.index)
+        old = self.entries.get(view.replica)
         now = self.clock()
         if view.hashes is None:
             if old is None or old.view.epoch != view.epoch:
@@ -49,13 +47,21 @@ class MDIndex:
             hashes = frozenset(view.hashes)
         # assignments the MD's own count already includes (sent a poll period or more ago) drop out
         kept = [t for t in old.assigned if t > now - self.settle_s] if old is not None else []
-        self.entries[view.index] = _Entry(view, hashes, now, kept)
-        self.failures[view.index] = 0
+        self.entries[view.replica] = _Entry(view, hashes, now, kept)
+        self.failures[view.replica] = 0
 
-    def failed(self, i: int) -> None:
+    def retain(self, live: Iterable[Hashable]) -> None:
+        """Forget replicas that are gone (scaled down, replaced): Serve's live set is the truth."""
+        keep = set(live)
+        for i in [i for i in self.entries if i not in keep]:
+            del self.entries[i]
+        for i in [i for i in self.failures if i not in keep]:
+            del self.failures[i]
+
+    def failed(self, i: Hashable) -> None:
         self.failures[i] = self.failures.get(i, 0) + 1
 
-    def known_version(self, i: int) -> tuple[str, int] | None:
+    def known_version(self, i: Hashable) -> tuple[str, int] | None:
         e = self.entries.get(i)
         return None if e is None else (e.view.epoch, e.view.version)
 
@@ -63,17 +69,17 @@ class MDIndex:
     def ready(self) -> bool:
         return bool(self.entries)
 
-    def flight_location(self, i: int) -> str | None:
+    def flight_location(self, i: Hashable) -> str | None:
         e = self.entries.get(i)
         return None if e is None else e.view.flight_location
 
-    def assigned(self, i: int) -> None:
+    def assigned(self, i: Hashable) -> None:
         """This router sent MD i a request: count it as load until MD's own view includes it."""
         e = self.entries.get(i)
         if e is not None:
             e.assigned.append(self.clock())
 
-    def status(self, i: int, prompt_hashes: list[int]) -> MDStatus:
+    def status(self, i: Hashable, prompt_hashes: list[int]) -> MDStatus:
         e = self.entries.get(i)
         if e is None:
             return MDStatus(i, 0, 1 << 30, 1, healthy=False)

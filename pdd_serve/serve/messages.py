@@ -8,6 +8,7 @@ block counts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Hashable
 from typing import Any
 
 from pdd_serve.engine.sampling import SamplingParams
@@ -28,7 +29,7 @@ class MDPrepareReply:
     """MD registered the request: it holds `hit_tokens` of the prompt in its DRC and expects
     the blocks from `start_block` on over Flight at `flight_location`."""
 
-    md_index: int
+    replica: Hashable  # the MD replica that holds it (its Serve replica id)
     hit_tokens: int
     start_block: int
     expected_blocks: int
@@ -50,13 +51,23 @@ class MDView:
     its DRC's block hashes and its load, so a router picks an MD and a pipeline with no cross-site
     round trip. `hashes` is None when unchanged since the version the router already holds."""
 
-    index: int
+    replica: Hashable  # its Serve replica id (what the router pins calls to)
     epoch: str  # changes when the replica (or its Flight server) restarts: drop the old view
     version: int  # moves whenever the DRC inserts or evicts
     hashes: tuple[int, ...] | None
     running: int
     capacity: int
     flight_location: str
+
+
+@dataclass(frozen=True)
+class LineState:
+    """What a Prefill replica has on the inter-site line: it sends every KV byte that crosses, so
+    it, not any one router, knows the line's backlog (routers poll it and plan with the sum)."""
+
+    replica: Hashable
+    backlog: tuple[int, ...]  # bytes still to cross, per transfer in flight (fair-share model)
+    bandwidth_bps: float | None  # its live estimate of the line, bits/s (None: unpaced)
 
 
 @dataclass(frozen=True)

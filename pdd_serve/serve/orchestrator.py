@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
@@ -33,6 +33,7 @@ from pdd_serve.serve.md_index import MDIndex
 from pdd_serve.serve.messages import (
     GenRequest,
     KVReady,
+    LineState,
     KVTarget,
     MDPrepareReply,
     MDView,
@@ -43,6 +44,9 @@ from pdd_serve.serve.messages import (
 )
 
 T = TypeVar("T")
+_REPORT_SLACK_S = 0.05  # a prefill call reaches its replica (same site) within this of the decision
+# an MD replica's key: its Serve replica id (the request router pins calls to it); tests use ints
+MDKey = Hashable
 
 
 class RelayLost(RuntimeError):
@@ -66,6 +70,21 @@ def is_request_error(e: BaseException) -> bool:
 def is_overloaded(e: BaseException) -> bool:
     """A pool could not admit the request now (PoolFullError): retry later, not a dead replica."""
     return any(isinstance(x, (PoolFullError, Overloaded)) for x in (e, _cause(e)))
+
+
+def _relay_fault(e: BaseException) -> str:
+    """A relay that refused (its pool is at relay_max_running, whichever routers sent) is full,
+    not lost: the request goes to MD all the same."""
+    return "relay_full" if "RelaySaturated" in f"{type(e).__name__}: {e}" else "relay_lost"
+
+
+def _follow(tasks: dict[Hashable, asyncio.Task], live: list[Hashable], start: Callable[[Hashable], Any]) -> None:
+    """One task per live replica: new replicas get one, removed ones' are cancelled."""
+    for i in [i for i in tasks if i not in live]:
+        tasks.pop(i).cancel()
+    for i in live:
+        if i not in tasks:
+            tasks[i] = _spawn(start(i))
 
 
 def _spawn(aw: Awaitable[T]) -> asyncio.Future[T]:
@@ -117,16 +136,19 @@ class _RelayReader:
 class Backends(Protocol):
     """What the orchestrator needs from the deployments (the Router adapts Serve handles)."""
 
-    num_md: int
+    def md_replicas(self) -> list[MDKey] | None: ...  # the MD replicas live now (None: not known yet)
 
-    async def md_view(self, i: int, known: tuple[str, int] | None) -> MDView: ...
-    async def md_prepare(self, i: int, req: GenRequest, planned_start: int | None) -> MDPrepareReply: ...
-    async def md_wait_kv(self, i: int, request_id: str, timeout_s: float) -> KVReady: ...
-    async def md_handoff_batch(self, i: int, request_id: str, token_ids: list[int], timeout_s: float) -> int: ...
-    def md_decode(self, i: int, request_id: str, committed: list[int], timeout_s: float) -> AsyncIterator[TokenChunk]: ...
-    async def md_absorb(self, i: int, request_id: str, output_ids: list[int], timeout_s: float) -> bool: ...
-    async def md_abort(self, i: int, request_id: str, attempt: int | None) -> bool: ...
+    async def md_view(self, i: MDKey, known: tuple[str, int] | None) -> MDView: ...
+    async def md_prepare(self, i: MDKey, req: GenRequest, planned_start: int | None) -> MDPrepareReply: ...
+    async def md_wait_kv(self, i: MDKey, request_id: str, timeout_s: float) -> KVReady: ...
+    async def md_handoff_batch(self, i: MDKey, request_id: str, token_ids: list[int], timeout_s: float) -> int: ...
+    def md_decode(self, i: MDKey, request_id: str, committed: list[int], timeout_s: float) -> AsyncIterator[TokenChunk]: ...
+    async def md_absorb(self, i: MDKey, request_id: str, output_ids: list[int], timeout_s: float) -> bool: ...
+    async def md_abort(self, i: MDKey, request_id: str, attempt: int | None) -> bool: ...
     async def prefill(self, preq: PrefillRequest) -> PrefillResult: ...
+    def prefill_replicas(self) -> list[Hashable] | None: ...  # the Prefill replicas live now
+    async def line_state(self, i: Hashable) -> LineState: ...  # what Prefill replica i has on the line
+    def relay_load(self) -> int | None: ...  # the relay pool's running requests (its routing stats)
     def relay(self, rreq: RelayRequest) -> AsyncIterator[TokenChunk]: ...
 
 
@@ -140,7 +162,7 @@ class PDDInfo:
     eager_tokens: int = 0  # tokens the client got from RLD
     md_tokens: int = 0
     wan_bytes: int = 0
-    md_replica: int | None = None
+    md_replica: MDKey | None = None
     prefix_hit_p: float = 0.0
     prefix_hit_md: float = 0.0
     ttft_s: float = 0.0
@@ -178,14 +200,18 @@ class Orchestrator:
         self.b = backends
         self.block_bytes = block_bytes
         self.link = link  # bandwidth follows Prefill's live estimate (PrefillResult.link_bps)
-        self.wan: dict[str, tuple[int, float]] = {}  # request -> (KV bytes sent to MD, when): on the line
-        self.relay_running = 0
+        # the line's backlog is known to the side that sends on it: each Prefill replica's report
+        # (LineState, when the poll was sent); `wan` holds only this router's own transfers decided
+        # since, which no report can include yet (request -> (KV bytes, when))
+        self.line_reports: dict[Hashable, tuple[LineState, float]] = {}
+        self.wan: dict[str, tuple[int, float]] = {}
+        self.relay_running = 0  # relay streams this router holds (its stats; the pool's load decides)
         self.bg: set[asyncio.Task] = set()  # fire-and-forget cleanups, kept referenced
         self.timeout = cfg.policy.kv_wait_timeout_s
         self.fallbacks: dict[str, int] = {}  # by kind, for metrics and the soak
         self.index_misses = 0  # requests whose MD held less than the router's view said
         period = cfg.policy.drc_view_period_s
-        self.index = MDIndex(backends.num_md, max_age_s=max(3.0, 20 * period),
+        self.index = MDIndex(max_age_s=max(3.0, 20 * period),
                              settle_s=period + 2 * link.latency_s + 0.05)
 
     # ------------------------------------------------------------ entry point
@@ -199,14 +225,15 @@ class Orchestrator:
         hashes, nblocks = block_hashes(prompt, bs), blocks_needed(len(prompt), bs)
         if not self.index.ready:  # only before the first view: one round trip, once per router
             await self.refresh_views()
-        statuses = [self.index.status(i, hashes) for i in range(self.b.num_md)]
+        statuses = [self.index.status(i, hashes) for i in self.md_replicas()]
         link = self.line()
-        md = pick_md(statuses, nblocks, self.block_bytes, link)
+        md = pick_md(statuses, nblocks, self.block_bytes, link) if statuses else None
         # the router's view stands in for MD's answer: no cross-site round trip before prefill.
         # MD always computes at least one prompt token itself, so it adopts at most this many blocks
-        planned = min(statuses[md].hit_blocks, (len(prompt) - 1) // bs) if pol.drc else 0
+        hit = next((s.hit_blocks for s in statuses if s.index == md), 0)
+        planned = min(hit, (len(prompt) - 1) // bs) if pol.drc else 0
         missing = (nblocks - planned) * self.block_bytes
-        dec = choose_pipeline(len(prompt), gen.params.max_tokens, missing, link, self.relay_running, pol,
+        dec = choose_pipeline(len(prompt), gen.params.max_tokens, missing, link, self.relay_load(), pol,
                               forced.get("pipeline"))
         info.pipeline, info.reason = dec.pipeline, dec.reason
         info.decision_s = time.monotonic() - st.t0
@@ -225,7 +252,7 @@ class Orchestrator:
                     dec = replace(dec, pipeline="P-RLD", reason="no main decode replica answered")
                     info.pipeline, info.reason = dec.pipeline, dec.reason
                 else:
-                    md, planned = reply.md_index, reply.start_block
+                    md, planned = reply.replica, reply.start_block
                     prep = asyncio.get_running_loop().create_future()
                     prep.set_result(reply)  # MD's answer is in: nothing to settle later
                     target = KVTarget(reply.flight_location, planned)
@@ -244,7 +271,7 @@ class Orchestrator:
                 if late and real > nblocks - planned:
                     self.wan.pop(gen.request_id, None)  # the line without this request's own planned bytes
                     redo = choose_pipeline(len(prompt), gen.params.max_tokens, real * self.block_bytes,
-                                           self.line(), self.relay_running, pol)
+                                           self.line(), self.relay_load(), pol)
                     self.wan[gen.request_id] = (real * self.block_bytes, time.monotonic())
                     if redo.pipeline == "P-RLD-MD":
                         dec = replace(redo, reason=f"late (the view was stale): {redo.reason}")
@@ -296,15 +323,27 @@ class Orchestrator:
                                                  gen.request_id, st.gen.attempt))
 
     def line(self) -> LinkEstimate:
-        """The link estimate with the transfers this router has put on the line (fair share); a
-        transfer whose KV landed leaves at once, one nobody waits on (RLD finished first, MD
-        absorbs it) when it should have crossed."""
+        """The link estimate with what is on the line: every Prefill replica's last report (the
+        senders know what every router sent), plus this router's transfers decided since the
+        newest report was asked for, draining at a fair share (a transfer whose KV landed leaves
+        at once). Any number of routers sees the same line, up to one view period."""
+        now = time.monotonic()
+        newest = max((at for _, at in self.line_reports.values()), default=None)
+        if newest is not None:  # older ones are in the senders' reports by now
+            for r in [r for r, (_, t) in self.wan.items() if t < newest - _REPORT_SLACK_S]:
+                del self.wan[r]
         rids = list(self.wan)
-        left = wan_backlog([self.wan[r] for r in rids], time.monotonic(), self.link.bandwidth_bps)
-        for r, b in zip(rids, left):
+        reported = [(b, at) for rep, at in self.line_reports.values() for b in rep.backlog]
+        left = wan_backlog(reported + [self.wan[r] for r in rids], now, self.link.bandwidth_bps)
+        for r, b in zip(rids, left[len(reported):]):
             if b <= 0:
                 del self.wan[r]
         return replace(self.link, backlog=tuple(b for b in left if b > 0))
+
+    def relay_load(self) -> int:
+        """The relay pool's running requests, as its replicas report them (all routers' streams),
+        and never less than this router's own: the pipeline decision's hint (the pool admits)."""
+        return max(self.b.relay_load() or 0, self.relay_running)
 
     def _kv_landed(self, st: RequestState) -> None:
         if st.info.kv_ready_s is None:
@@ -334,7 +373,7 @@ class Orchestrator:
             if chunk.finish_reason is not None:
                 return
 
-    async def _from_md(self, st: RequestState, md: int) -> AsyncIterator[list[int]]:
+    async def _from_md(self, st: RequestState, md: MDKey) -> AsyncIterator[list[int]]:
         """MD takes over from `committed` (it extends over what it lacks) and streams to the end."""
         it = self.b.md_decode(md, st.gen.request_id, list(st.committed), self.timeout).__aiter__()
         try:
@@ -350,7 +389,7 @@ class Orchestrator:
             if not st.decoder_done:  # the client left, a stop string or MD failed: stop MD decoding for nobody
                 await self._close(it)
 
-    async def _from_md_recovering(self, st: RequestState, md: int) -> AsyncIterator[list[int]]:
+    async def _from_md_recovering(self, st: RequestState, md: MDKey) -> AsyncIterator[list[int]]:
         """`_from_md`, surviving MD loss, a cut or stalled WAN and a restarted Flight server: the
         committed token ids are all that must move, so the request migrates to an MD (KV resent
         from P's prefix cache, then `extend`), or RLD finishes it when no MD can take it."""
@@ -410,9 +449,9 @@ class Orchestrator:
         except Exception as e:  # noqa: BLE001 - whatever the relay raised, the committed ids survive
             if is_request_error(e):
                 raise
-            self._fallback(st, "relay_lost", f"{type(e).__name__}: {e}")
+            self._fallback(st, _relay_fault(e), f"{type(e).__name__}: {e}")
         del relay
-        md = await self._redeliver(st, avoid=-1)
+        md = await self._redeliver(st, avoid=None)
         async with contextlib.aclosing(self._from_md_recovering(st, md)) as stream:
             async for toks in stream:
                 yield toks
@@ -431,25 +470,27 @@ class Orchestrator:
                 raise Overloaded(f"neither main decode nor the relay can admit {st.gen.request_id} now") from e
             raise
 
-    async def _redeliver(self, st: RequestState, avoid: int) -> int:
+    async def _redeliver(self, st: RequestState, avoid: MDKey | None) -> MDKey:
         """Register the request at a (preferably other) MD and have P resend the KV it lacks. A new
         attempt: a late abort of the old registration can neither drop nor refuse this one."""
         st.gen = gen = replace(st.gen, attempt=st.gen.attempt + 1)
         prompt = list(gen.prompt_token_ids)
         bs = self.cfg.model.block_size
         hashes = block_hashes(prompt, bs)
-        statuses = [self.index.status(i, hashes) for i in range(self.b.num_md)]
+        statuses = [self.index.status(i, hashes) for i in self.md_replicas()]
         others = [s for s in statuses if s.index != avoid and s.healthy]
-        md = pick_md(others or statuses, blocks_needed(len(prompt), bs), self.block_bytes, self.line())
+        # no view of any MD (all gone or new): Serve's request router picks the least loaded
+        md = pick_md(others or statuses, blocks_needed(len(prompt), bs), self.block_bytes, self.line()) \
+            if statuses else None
         prep = await self._bounded(self.b.md_prepare(md, gen, None), "MD prepare")
-        st.info.md_replica = md
+        st.info.md_replica = md = prep.replica
         pre = await self._prefill(st, PrefillRequest(gen, False, KVTarget(prep.flight_location, prep.start_block)))
         if pre.first_token != st.committed[0]:  # determinism is the whole premise of token-ID handoff
             raise RuntimeError(f"re-prefill gave first token {pre.first_token} != {st.committed[0]}")
         st.info.wan_bytes += pre.wan_bytes
         return md
 
-    async def _settle_prepare(self, st: RequestState, md: int, prep: asyncio.Future, sent: KVTarget) -> None:
+    async def _settle_prepare(self, st: RequestState, md: MDKey, prep: asyncio.Future, sent: KVTarget) -> None:
         """MD's real answer, which arrives while Prefill already sends from the router's view.
         Where the view was stale, P sends what MD lacks besides (a resend from P's prefix cache):
         the view costs bytes or a resend, never a token. A failed prepare leaves the request to
@@ -478,29 +519,72 @@ class Orchestrator:
         pre = await self._prefill(st, PrefillRequest(st.gen, False, miss))
         st.info.wan_bytes += pre.wan_bytes
 
-    async def refresh_views(self) -> None:
-        """One poll of every MD's routing view (in the background, every drc_view_period_s)."""
-        await asyncio.gather(*(self._refresh_view(i) for i in range(self.b.num_md)))
+    def md_replicas(self) -> list[MDKey]:
+        """The MD replicas to choose among: the live set as Serve's request router knows it (a
+        replica scaled down or dead leaves it), else those the router holds a view of."""
+        live = self.b.md_replicas()
+        return list(self.index.entries) if live is None else list(live)
 
-    async def _refresh_view(self, i: int) -> None:
+    async def refresh_views(self) -> None:
+        """One poll of every MD's routing view; with no MD known yet, one unpinned poll (Serve's
+        request router starts and learns the replicas; the answer names its replica)."""
+        mds = self.md_replicas()
+        await asyncio.gather(*(self._refresh_view(i) for i in mds or [None]))
+
+    async def _refresh_view(self, i: MDKey | None) -> None:
+        known = None if i is None else self.index.known_version(i)
         try:
-            view = await asyncio.wait_for(self.b.md_view(i, self.index.known_version(i)),
-                                          timeout=min(5.0, self.timeout))
+            view = await asyncio.wait_for(self.b.md_view(i, known), timeout=min(5.0, self.timeout))
         except Exception:  # noqa: BLE001 - an unreachable MD is skipped while another can serve
-            self.index.failed(i)
+            if i is not None:
+                self.index.failed(i)
             return
         self.index.update(view)
 
     async def watch_views(self) -> None:
-        """Keep the view of every MD current (the Router runs this for its lifetime); each MD on
-        its own beat, so a dead or slow one does not age the others' views."""
-        async def one(i: int) -> None:
+        """Keep the view of every live MD current (the Router runs this for its lifetime); each
+        MD on its own beat, so a dead or slow one does not age the others' views. Replicas come
+        and go with autoscaling: a new one gets a watcher, a removed one's view is dropped."""
+        period = self.cfg.policy.drc_view_period_s
+
+        async def one(i: MDKey) -> None:
             while True:
-                await asyncio.gather(self._refresh_view(i), asyncio.sleep(self.cfg.policy.drc_view_period_s))
+                await asyncio.gather(self._refresh_view(i), asyncio.sleep(period))
 
-        await asyncio.gather(*(one(i) for i in range(self.b.num_md)))
+        async def line(i: Hashable) -> None:
+            while True:
+                await asyncio.gather(self._refresh_line(i), asyncio.sleep(period))
 
-    async def _relay_then_md(self, st: RequestState, md: int, kv_ref: Any,
+        watchers: dict[MDKey, asyncio.Task] = {}
+        senders: dict[Hashable, asyncio.Task] = {}
+        try:
+            while True:
+                live = self.b.md_replicas()
+                if live is None:  # Serve's request router has not started: one unpinned poll starts it
+                    await asyncio.gather(self._refresh_view(None), asyncio.sleep(period))
+                    continue
+                _follow(watchers, live, one)
+                self.index.retain(live)
+                ps = self.b.prefill_replicas() or []
+                _follow(senders, ps, line)
+                for i in [i for i in self.line_reports if i not in ps]:
+                    del self.line_reports[i]
+                await asyncio.sleep(period)
+        finally:
+            for t in (*watchers.values(), *senders.values()):
+                t.cancel()
+
+    async def _refresh_line(self, i: Hashable) -> None:
+        sent = time.monotonic()
+        try:
+            rep = await asyncio.wait_for(self.b.line_state(i), timeout=min(5.0, self.timeout))
+        except Exception:  # noqa: BLE001 - a lost Prefill replica's report ages out with it
+            return
+        self.line_reports[rep.replica] = (rep, sent)
+        if rep.bandwidth_bps:
+            self.link = replace(self.link, bandwidth_bps=rep.bandwidth_bps / 8)
+
+    async def _relay_then_md(self, st: RequestState, md: MDKey, kv_ref: Any,
                              forced_mode: str | None) -> AsyncIterator[list[int]]:
         relay = _RelayReader(self, st, self.b.relay(RelayRequest(st.gen, tuple(st.committed), kv_ref)))
         del kv_ref  # RLD's call holds the object store copy: freed at the cut, while MD decodes on
@@ -511,7 +595,7 @@ class Orchestrator:
                 async for toks in phases:
                     yield toks
         except RelayLost as e:  # RLD failed or refused, before the handoff: MD takes the request
-            self._fallback(st, "relay_lost", str(e))
+            self._fallback(st, _relay_fault(e), str(e))
             await self._end_relay(relay)
             async with contextlib.aclosing(self._from_md_recovering(st, md)) as stream:
                 async for toks in stream:
@@ -521,7 +605,7 @@ class Orchestrator:
                 kv.cancel()
             await self._end_relay(relay)
 
-    async def _relay_phases(self, st: RequestState, md: int, relay: _RelayReader, kv: asyncio.Future,
+    async def _relay_phases(self, st: RequestState, md: MDKey, relay: _RelayReader, kv: asyncio.Future,
                             forced_mode: str | None) -> AsyncIterator[list[int]]:
         """Phase 1: eager tokens while the KV crawls to MD; phase 2 (catch-up): batches to MD while
         RLD goes on; phase 3: cut RLD, MD extends and goes on. Raises RelayLost before the cut."""
@@ -545,7 +629,7 @@ class Orchestrator:
                 async for toks in relay.until(None):
                     yield toks
                 return
-            mode = plan_handoff(st.info.eager_tokens, self.relay_running, pol, forced_mode)
+            mode = plan_handoff(st.info.eager_tokens, self.relay_load(), pol, forced_mode)
             st.info.handoff_mode = mode
             md_has = 0  # output tokens whose KV MD has built
             gap: int | None = None  # tokens still to hand over after the previous round
@@ -594,11 +678,11 @@ class Orchestrator:
 
     # ------------------------------------------------------------ helpers
 
-    async def _prepare_now(self, st: RequestState, first: int, statuses: list) -> MDPrepareReply | None:
+    async def _prepare_now(self, st: RequestState, first: MDKey, statuses: list) -> MDPrepareReply | None:
         """Register the request at MD `first`, or the next healthy one, and wait for the answer
         (only where the router has no view of the MD it picked)."""
         order = [first] + [s.index for s in sorted(statuses, key=lambda s: (not s.healthy, s.running))
-                           if s.index != first]
+                           if s.index != first]  # first None: Serve's request router picks one
         full = True
         for i in order:
             try:
@@ -606,7 +690,8 @@ class Orchestrator:
             except Exception as e:  # noqa: BLE001 - a dead, restarting or full MD: try the next
                 if not is_overloaded(e):  # a full MD is alive: its view stands
                     full = False
-                    self.index.failed(i)
+                    if i is not None:
+                        self.index.failed(i)
                 self._fallback(st, "md_full" if is_overloaded(e) else "md_unavailable", f"MD {i}: {type(e).__name__}: {e}")
         if not self.cfg.uses_relay:
             if full:

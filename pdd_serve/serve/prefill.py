@@ -17,7 +17,9 @@ from pdd_serve.engine.engine import Sequence
 from pdd_serve.engine.kv import KVBlocks, blocks_needed, num_full_blocks
 from pdd_serve.engine.scheduler import EngineWorker
 from pdd_serve.serve.common import load_engine, logger, placement
-from pdd_serve.serve.messages import KVTarget, PrefillRequest, PrefillResult, ReplicaStats
+from pdd_serve.policy import wan_backlog
+from pdd_serve.serve.messages import KVTarget, LineState, PrefillRequest, PrefillResult, ReplicaStats
+from pdd_serve.serve.pinning import ROUTER_CLASS, this_replica
 from pdd_serve.transport.link import BandwidthEstimator
 
 PREFILL_CHUNK_TOKENS = 256  # blocks of a chunk leave for MD while the next chunk computes
@@ -73,7 +75,11 @@ class _BlockFeed:
             yield run
 
 
-@serve.deployment(max_ongoing_requests=64)
+# prefill calls go to the least loaded replica (routing stats); the routers' `line_state` polls are
+# pinned to each replica, to sum the line's backlog over every sender (`pinning.py`)
+@serve.deployment(max_ongoing_requests=64,
+                  request_router_config={"request_router_class": ROUTER_CLASS,
+                                         "request_routing_stats_period_s": 0.5})
 class Prefill:
     def __init__(self, cfg: PDDConfig) -> None:
         self.cfg = cfg
@@ -85,6 +91,10 @@ class Prefill:
         # the live line rate the router plans with: transfers that had the line to themselves
         self.bw = BandwidthEstimator(initial_bps=self.link.bandwidth_bps)
         self.sending = 0  # transfers on the line now (sender threads: under _send_lock)
+        # request -> (KV bytes it sends, when it started): what this replica has on the line now.
+        # The sender knows the line's backlog; routers poll `line_state` and plan with it
+        self.on_line: dict[str, tuple[int, float]] = {}
+        self.replica = this_replica()
         self._send_lock = threading.Lock()
         self.faults: dict[str, list[tuple[str, float]]] = {}
         self.transfers = {"started": 0, "done": 0, "failed": 0, "dropped": 0, "aborted": 0, "bytes": 0}
@@ -97,6 +107,9 @@ class Prefill:
         feed = _BlockFeed(preq.md_target, self._take_fault("link")) if preq.md_target is not None else None
         die = self._take_fault("die_in_prefill")
         if feed is not None:
+            t = preq.md_target
+            end = blocks_needed(seq.prompt_len, self.engine.block_size) if t.end_block is None else t.end_block
+            self.on_line[req.request_id] = (max(0, end - t.start_block) * self.engine.layout.block_bytes, time.monotonic())
             self._start_sender(req.request_id, feed)
         t0 = time.perf_counter()
         kv_ref = None
@@ -161,8 +174,20 @@ class Prefill:
             finally:
                 with self._send_lock:
                     self.sending -= 1
+                self.on_line.pop(request_id, None)
 
         threading.Thread(target=send, name=f"kv-send-{request_id}", daemon=True).start()
+
+    def line_state(self) -> LineState:
+        """The bytes this replica still has to push across the line, per transfer (a transfer
+        leaves the moment its push ends; meanwhile it drains at a fair share of the line)."""
+        flows = list(self.on_line.values())
+        bps = self.bw.bps
+        left = wan_backlog(flows, time.monotonic(), float("inf") if bps is None else bps / 8)
+        return LineState(self.replica, tuple(b for b in left if b > 0), bps)
+
+    def record_routing_stats(self) -> dict:
+        return {"running": self.worker.num_running, "capacity": self.worker.max_batch}
 
     def inject(self, fault: str, seconds: float = 0.0, count: int = 1) -> None:
         """Fault injection for tests and the soak (policy.allow_fault_injection): the next `count`

@@ -15,13 +15,23 @@ from pdd_serve.config import PDDConfig
 from pdd_serve.engine.scheduler import EngineWorker
 from pdd_serve.serve.common import load_engine, logger, placement
 from pdd_serve.serve.messages import RelayRequest, ReplicaStats, TokenChunk
+from pdd_serve.serve.pinning import ROUTER_CLASS
 
 
 class RelaySaturated(RuntimeError):
     """The relay replica is at its admission limit; the router keeps the request on MD."""
 
 
-@serve.deployment(max_ongoing_requests=64)
+def relay_share(cfg: PDDConfig) -> int:
+    """Each relay replica's share of `policy.relay_max_running` (the pool never holds more)."""
+    return max(1, cfg.policy.relay_max_running // cfg.sites.relay_replicas)
+
+
+# `generate` goes to the least loaded replica by the replicas' routing stats (`pinning.py`), which
+# also give every router the pool's load.
+@serve.deployment(max_ongoing_requests=64,
+                  request_router_config={"request_router_class": ROUTER_CLASS,
+                                         "request_routing_stats_period_s": 0.5})
 class Relay:
     def __init__(self, cfg: PDDConfig) -> None:
         self.cfg = cfg
@@ -33,6 +43,9 @@ class Relay:
         self.live: set[str] = set()  # requests holding KV here
         self.peak_live = 0
         self.die_after: int | None = None  # injected: the process exits after this many more tokens
+        # the relay pool admits at most policy.relay_max_running in total, whichever routers send:
+        # each replica takes its share (the pool's admission is decided here, not by a router)
+        self.max_running = relay_share(cfg)
 
     async def generate(self, rreq: RelayRequest) -> AsyncIterator[TokenChunk]:
         """Decode from the prompt KV in the object store, after the `committed` tokens, until the
@@ -40,9 +53,10 @@ class Relay:
         from pdd_serve.transport.object_store import get_kv
 
         req = rreq.req
-        if len(self.live) >= self.cfg.policy.relay_max_running:
+        if len(self.live) >= self.max_running:
             # admission control: an overloaded relay pool is how PDD fails (PDD.md), so refuse
-            raise RelaySaturated(f"relay replica holds {len(self.live)} requests (policy.relay_max_running)")
+            raise RelaySaturated(f"relay replica holds {len(self.live)} requests, its share of "
+                                 f"policy.relay_max_running ({self.max_running})")
         seq = self.engine.add(req.request_id, list(req.prompt_token_ids), req.params)
         self.live.add(req.request_id)
         self.peak_live = max(self.peak_live, len(self.live))
@@ -77,6 +91,11 @@ class Relay:
         if final is not None:  # after the release: nothing is left to clean once the caller has it
             yield final
 
+    def record_routing_stats(self) -> dict:
+        """The routers' view of the relay pool's load (a hint for the pipeline decision; the
+        binding admission is the check in `generate`)."""
+        return {"running": len(self.live), "capacity": self.max_running}
+
     def inject(self, fault: str, after_tokens: int = 4) -> None:
         """Fault injection for tests and the soak (policy.allow_fault_injection): `die_mid_stream`
         kills this replica's process once it has decoded `after_tokens` more tokens, so the death
@@ -98,4 +117,5 @@ class Relay:
         e = self.engine
         return ReplicaStats("relay", len(self.live), e.pool.num_free, e.pool.num_blocks,
                             extra={"tokens_generated": self.tokens_generated, "live": sorted(self.live),
-                                   "peak_live": self.peak_live, "preemptions": e.preemptions, **self.where})
+                                   "peak_live": self.peak_live, "max_running": self.max_running,
+                                   "preemptions": e.preemptions, **self.where})

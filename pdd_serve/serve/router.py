@@ -24,6 +24,7 @@ from pdd_serve.serve import openai_api as oai
 from pdd_serve.serve.common import logger
 from pdd_serve.serve.crosssite import site_handle
 from pdd_serve.serve.messages import GenRequest
+from pdd_serve.serve.pinning import live_replicas, pin, replica_stats
 from pdd_serve.serve.orchestrator import Orchestrator, RequestState, is_overloaded
 
 api = FastAPI(title="pdd_serve", description="PDD: Prefill -> Relay decode -> Main decode, OpenAI-compatible API")
@@ -40,44 +41,67 @@ def client_error(e: BaseException, request_id: str) -> oai.APIError:
     return oai.internal_error(e, request_id)
 
 
+def _pin(replica: str | None) -> str | None:
+    return None if replica is None else pin(replica)
+
+
 class ServeBackends:
     """Adapts Serve deployment handles to the orchestrator's Backends protocol. Every call to a
     deployment in another site crosses the emulated WAN (`crosssite.site_handle`)."""
 
-    def __init__(self, cfg: PDDConfig, prefill: Any, relay: Any, mds: list[Any], link: Any) -> None:
+    def __init__(self, cfg: PDDConfig, prefill: Any, relay: Any, md: Any, link: Any) -> None:
         here = cfg.sites.router
         self.p = site_handle(prefill, cfg.sites.prefill == here, link)
         self.r = None if relay is None else site_handle(relay, cfg.sites.relay == here, link)
-        self.mds = [site_handle(m, cfg.sites.main_decode == here, link) for m in mds]
-        self.num_md = len(self.mds)
+        self.md = site_handle(md, cfg.sites.main_decode == here, link)
+        self._md_id = (md.deployment_id.app_name, md.deployment_id.name)
+        self._p_id = (prefill.deployment_id.app_name, prefill.deployment_id.name)
+        self._r_id = None if relay is None else (relay.deployment_id.app_name, relay.deployment_id.name)
 
     @property
     def control_messages_delayed(self) -> int:
-        return sum(h.messages for h in (self.p, self.r, *self.mds) if h is not None)
+        return sum(h.messages for h in (self.p, self.r, self.md) if h is not None)
 
-    async def md_view(self, i, known):  # noqa: ANN001, ANN201 - signatures in orchestrator.Backends
-        return await self.mds[i].call("routing_view", known)
+    def md_replicas(self):  # noqa: ANN201 - signatures in orchestrator.Backends
+        live = live_replicas(*self._md_id)
+        return None if live is None else list(live)
+
+    # every call about a request is pinned to the MD replica that holds it (`pinning.py`);
+    # i None (no view of any MD yet): Serve's request router picks the least loaded
+    async def md_view(self, i, known):  # noqa: ANN001, ANN201
+        return await self.md.call("routing_view", known, session_id=_pin(i))
 
     async def md_prepare(self, i, req, planned_start):  # noqa: ANN001, ANN201
-        return await self.mds[i].call("prepare", req, planned_start)
+        return await self.md.call("prepare", req, planned_start, session_id=_pin(i))
 
     async def md_wait_kv(self, i, request_id, timeout_s):  # noqa: ANN001, ANN201
-        return await self.mds[i].call("wait_kv", request_id, timeout_s)
+        return await self.md.call("wait_kv", request_id, timeout_s, session_id=_pin(i))
 
     async def md_handoff_batch(self, i, request_id, token_ids, timeout_s):  # noqa: ANN001, ANN201
-        return await self.mds[i].call("handoff_batch", request_id, token_ids, timeout_s)
+        return await self.md.call("handoff_batch", request_id, token_ids, timeout_s, session_id=_pin(i))
 
     def md_decode(self, i, request_id, committed, timeout_s):  # noqa: ANN001, ANN201
-        return self.mds[i].stream("decode", request_id, committed, timeout_s)
+        return self.md.stream("decode", request_id, committed, timeout_s, session_id=_pin(i))
 
     async def md_absorb(self, i, request_id, output_ids, timeout_s):  # noqa: ANN001, ANN201
-        return await self.mds[i].call("absorb", request_id, output_ids, timeout_s)
+        return await self.md.call("absorb", request_id, output_ids, timeout_s, session_id=_pin(i))
 
     async def md_abort(self, i, request_id, attempt=None):  # noqa: ANN001, ANN201
-        return await self.mds[i].call("abort", request_id, attempt)
+        return await self.md.call("abort", request_id, attempt, session_id=_pin(i))
 
     async def prefill(self, preq):  # noqa: ANN001, ANN201
         return await self.p.call("prefill", preq)
+
+    def prefill_replicas(self):  # noqa: ANN201
+        live = live_replicas(*self._p_id)
+        return None if live is None else list(live)
+
+    async def line_state(self, i):  # noqa: ANN001, ANN201
+        return await self.p.call("line_state", session_id=_pin(i))
+
+    def relay_load(self):  # noqa: ANN201
+        stats = replica_stats(*self._r_id) if self._r_id is not None else {}
+        return sum(s.get("running", 0) for s in stats.values()) if stats else None
 
     def relay(self, rreq):  # noqa: ANN001, ANN201
         if self.r is None:
@@ -88,7 +112,7 @@ class ServeBackends:
 @serve.deployment(max_ongoing_requests=512)
 @serve.ingress(api)
 class Router:
-    def __init__(self, cfg: PDDConfig, prefill: Any, relay: Any, mds: list[Any]) -> None:
+    def __init__(self, cfg: PDDConfig, prefill: Any, relay: Any, md: Any) -> None:
         from transformers import AutoTokenizer
 
         from pdd_serve.engine.kv import KVLayout
@@ -105,7 +129,7 @@ class Router:
         link = cfg.link.build(self.layout.bytes_per_token)
         bps = link.bandwidth_bps  # the configured line until Prefill reports a measured rate
         est = LinkEstimate(float("inf") if bps is None else bps / 8, link.config.one_way_latency_s)
-        self.backends = ServeBackends(cfg, prefill, relay, mds, link)
+        self.backends = ServeBackends(cfg, prefill, relay, md, link)
         self.orch = Orchestrator(cfg, self.backends, self.layout.block_bytes, est)
         self._watch: Any = None  # the background view of every MD (started with the first request)
         self._parser = ThreadPoolExecutor(1, thread_name_prefix="pdd-parse")
@@ -152,6 +176,7 @@ class Router:
 
         line = self.orch.line()
         return {"role": "router", "in_flight": self.in_flight, "relay_running": self.orch.relay_running,
+                "relay_pool_running": self.orch.relay_load(), "md_replicas": self.orch.md_replicas(),
                 "fallbacks": dict(self.orch.fallbacks), "link_bps": line.bandwidth_bps * 8,
                 "index_misses": self.orch.index_misses,
                 "control_messages_delayed": self.backends.control_messages_delayed,
