@@ -102,6 +102,13 @@ def _stream(url: str, prompt: list[int], n: int, pdd: dict, on_chunk=None) -> tu
     return ids, info
 
 
+def _mds() -> dict:
+    """{replica id: a handle pinned to it} for every live MainDecode replica (one deployment)."""
+    from pdd_serve.serve.pinning import pinned_handle, replica_actors
+
+    return {r: pinned_handle(APP, "MainDecode", r) for r in sorted(replica_actors(APP, "MainDecode"))}
+
+
 def _replica_actor(deployment: str):
     import ray
 
@@ -120,29 +127,31 @@ def test_md_killed_mid_stream_migrates_to_another_md(graph, ref_engine):
 
     def kill_holder(seen: int) -> None:
         if seen >= 3 and not killed:
-            for i in (0, 1):
-                if _handle(f"MainDecode{i}").stats.remote().result(timeout_s=30).running:
+            for r, h in _mds().items():
+                if h.stats.remote().result(timeout_s=30).running:
                     t_kill.append(time.time())
-                    ray.kill(_replica_actor(f"MainDecode{i}"), no_restart=True)
-                    killed.append(f"MainDecode{i}")
+                    ray.kill(_replica_actor(f"MainDecode#{r}"), no_restart=True)
+                    killed.append(r)
                     return
 
     ids, info = _stream(graph, prompt, n, {"pipeline": "P-MD"}, kill_holder)
     assert killed, "the MD holding the request was not found"
     assert ids == _ref(ref_engine, prompt, n), info
     assert "md_lost" in info["fallbacks"], info
-    # Serve restores the killed replica (a new process: started after the kill)
+    # Serve replaces the killed replica (a new replica of the one deployment, started after the kill)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
-            st = _handle(killed[0]).stats.remote().result(timeout_s=10)
-            if st.extra["started_at"] > t_kill[0]:
+            mds = _mds()
+            new = [h for r, h in mds.items() if r != killed[0]]
+            if len(mds) == 2 and killed[0] not in mds and any(
+                    h.stats.remote().result(timeout_s=10).extra["started_at"] > t_kill[0] for h in new):
                 break
-        except Exception:  # noqa: BLE001 - still restarting
+        except Exception:  # noqa: BLE001 - still starting
             pass
         time.sleep(2)
     else:
-        pytest.fail(f"{killed[0]} was not restored")
+        pytest.fail(f"MainDecode replica {killed[0]} was not replaced")
 
 
 def test_wan_cut_mid_transfer_redelivers_kv(graph, ref_engine):
@@ -181,8 +190,8 @@ def test_flight_server_restart_mid_transfer(graph, ref_engine):
     t = threading.Thread(target=run)
     t.start()
     time.sleep(0.6)  # prefill is done, the 3 MB of KV are crossing the 16 Mbit/s link
-    for i in (0, 1):
-        _handle(f"MainDecode{i}").inject.remote("restart_flight").result(timeout_s=30)
+    for h in _mds().values():
+        h.inject.remote("restart_flight").result(timeout_s=30)
     t.join(timeout=180)
     ids, info = out["r"]
     assert ids == _ref(ref_engine, prompt, n), info
@@ -229,7 +238,7 @@ def test_relay_kv_copy_leaves_the_object_store_at_the_handoff(graph, ref_engine)
     t.start()
     while t.is_alive():
         relay = _handle("Relay").stats.remote().result(timeout_s=30)
-        md = sum(_handle(f"MainDecode{i}").stats.remote().result(timeout_s=30).running for i in (0, 1))
+        md = sum(h.stats.remote().result(timeout_s=30).running for h in _mds().values())
         samples.append((len(relay.extra["live"]), md, _plasma_bytes() - base))
         time.sleep(0.2)
     t.join()

@@ -14,9 +14,10 @@ from pdd_serve.config import PDDConfig
 from pdd_serve.engine.engine import Sequence
 from pdd_serve.engine.kv import block_hashes, blocks_needed
 from pdd_serve.engine.scheduler import EngineWorker
+from pdd_serve.metrics import ReplicaGauges
 from pdd_serve.serve.common import load_engine, logger, placement
 from pdd_serve.serve.messages import GenRequest, KVReady, MDPrepareReply, MDView, ReplicaStats, TokenChunk
-from pdd_serve.serve.pinning import ROUTER_CLASS, check_pin, this_replica
+from pdd_serve.serve.pinning import ROUTER_CLASS, ReplicaGone, check_pin, this_replica
 
 
 class MDRequestError(RuntimeError):
@@ -53,7 +54,9 @@ class MainDecode:
         self._aborted: dict[str, tuple[int, float]] = {}
         self._attempt: dict[str, int] = {}  # the attempt each registered request came with
         self._reaper_task: asyncio.Task | None = None
+        self.pin_refusals = 0  # calls pinned to a replica that is gone (they reached this one)
         logger.info("MainDecode replica %s: Flight at %s", self.replica, self.flight.location)
+        self._gauges = ReplicaGauges.watch("main_decode", self.stats)  # pdd_replica_requests / kv_usage
 
     # ------------------------------------------------------------ control plane
 
@@ -82,7 +85,7 @@ class MainDecode:
         the rest from the stream (the stale view costs bytes); holding less, it expects from its
         own start and the router has Prefill send the gap."""
         rid = req.request_id
-        check_pin(self.replica)
+        self._pinned()
         try:
             self._refuse_if_aborted(req)
             if rid in self.seqs:  # a re-delivery after a lost transfer: start the request over
@@ -116,7 +119,7 @@ class MainDecode:
 
     async def wait_kv(self, request_id: str, timeout_s: float) -> KVReady:
         """Wait (bounded) until the prompt's KV has arrived and is loaded."""
-        check_pin(self.replica)
+        self._pinned()
         with self._call(request_id):
             return await self._wait_kv(request_id, timeout_s)
 
@@ -152,7 +155,7 @@ class MainDecode:
     async def handoff_batch(self, request_id: str, token_ids: list[int], timeout_s: float) -> int:
         """Catch-up handoff: build KV for a batch of committed tokens (no sampling yet).
         Returns how many output tokens MD now holds."""
-        check_pin(self.replica)
+        self._pinned()
         with self._call(request_id):
             seq = await self._ready(request_id, timeout_s)
             if token_ids:
@@ -162,7 +165,7 @@ class MainDecode:
     async def decode(self, request_id: str, committed: list[int], timeout_s: float) -> AsyncIterator[TokenChunk]:
         """Take over a request: extend over the committed tokens MD lacks, then decode in the
         shared batch. `committed` is everything the client has seen (the router's truth)."""
-        check_pin(self.replica)
+        self._pinned()
         final: TokenChunk | None = None
         self._calls[request_id] = self._calls.get(request_id, 0) + 1  # decoding: never an orphan
         try:
@@ -193,7 +196,7 @@ class MainDecode:
     async def absorb(self, request_id: str, output_ids: list[int], timeout_s: float) -> bool:
         """The relay finished a request before the handoff: build the output's KV anyway so MD's
         DRC stays aligned with P's (PDD.md: both pipelines end at MD)."""
-        check_pin(self.replica)
+        self._pinned()
         try:
             seq = await self._ready(request_id, timeout_s)
             new = list(output_ids[len(seq.output_ids):])
@@ -209,7 +212,7 @@ class MainDecode:
 
     async def abort(self, request_id: str, attempt: int | None = None) -> bool:
         """Drop a request (`attempt`: only that registration or an earlier one; None: any)."""
-        check_pin(self.replica)
+        self._pinned()
         held = self._attempt.get(request_id)
         if held is not None and attempt is not None and held > attempt:
             return False  # a later re-delivery holds it now: this abort is stale
@@ -239,7 +242,7 @@ class MainDecode:
         return ReplicaStats("main_decode", len(self.seqs), e.pool.num_free, e.pool.num_blocks,
                             e.cache.num_blocks if e.cache else 0, e.cache.stats.hit_rate if e.cache else 0.0,
                             {"flight": self.flight.location, "replica": self.replica, "calls": len(self._calls),
-                             "registering": len(self._registered), "worker_running": self.worker.num_running,
+                             "registering": len(self._registered), "pin_refusals": self.pin_refusals, "worker_running": self.worker.num_running,
                              "flight_bytes_reserved": self.flight.bytes_reserved, "started_at": self.started_at,
                              "preemptions": e.preemptions,
                              **self.where})
@@ -272,6 +275,14 @@ class MainDecode:
             self._uncall(request_id)
             if request_id in self.seqs:
                 self._touched[request_id] = time.monotonic()
+
+    def _pinned(self) -> None:
+        """Refuse (and count) a call pinned to another replica: that one is gone, the router migrates."""
+        try:
+            check_pin(self.replica)
+        except ReplicaGone:
+            self.pin_refusals += 1
+            raise
 
     def _uncall(self, request_id: str) -> None:
         """A router call ended; the count goes with the request once none is left (a `_drop`

@@ -13,6 +13,7 @@ from ray import serve
 
 from pdd_serve.config import PDDConfig
 from pdd_serve.engine.scheduler import EngineWorker
+from pdd_serve.metrics import ReplicaGauges
 from pdd_serve.serve.common import load_engine, logger, placement
 from pdd_serve.serve.messages import RelayRequest, ReplicaStats, TokenChunk
 from pdd_serve.serve.pinning import ROUTER_CLASS
@@ -46,6 +47,7 @@ class Relay:
         # the relay pool admits at most policy.relay_max_running in total, whichever routers send:
         # each replica takes its share (the pool's admission is decided here, not by a router)
         self.max_running = relay_share(cfg)
+        self._gauges = ReplicaGauges.watch("relay", self.stats)  # pdd_replica_requests / kv_usage
 
     async def generate(self, rreq: RelayRequest) -> AsyncIterator[TokenChunk]:
         """Decode from the prompt KV in the object store, after the `committed` tokens, until the
