@@ -125,12 +125,14 @@ def test_md_killed_mid_stream_migrates_to_another_md(graph, ref_engine):
     killed: list[str] = []
     t_kill: list[float] = []
 
+    from pdd_serve.serve.pinning import replica_actors
+
     def kill_holder(seen: int) -> None:
         if seen >= 3 and not killed:
             for r, h in _mds().items():
                 if h.stats.remote().result(timeout_s=30).running:
                     t_kill.append(time.time())
-                    ray.kill(_replica_actor(f"MainDecode#{r}"), no_restart=True)
+                    ray.kill(ray.get_actor(replica_actors(APP, "MainDecode")[r], namespace="serve"), no_restart=True)
                     killed.append(r)
                     return
 

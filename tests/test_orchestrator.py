@@ -868,3 +868,78 @@ def test_a_single_md_takes_a_request_back_after_its_kv_was_lost(model_dir):
     assert out == ref and "kv_timeout" in st.info.fallbacks and st.info.md_tokens > 0, st.info
     assert st.gen.attempt == 1 and "relay_finish" not in st.info.fallbacks
     assert all(not d for d in b.md_seqs)
+
+
+# ---------------------------------------------------------------- scale-out: no router-only state
+
+
+def test_a_relay_that_refuses_is_full_not_lost_and_md_serves_the_request(model_dir):
+    """The relay pool admits (relay_max_running in total, whichever routers send): a refusal
+    keeps the request on MD, counted as relay_full, token-identical."""
+    from pdd_serve.serve.relay import RelaySaturated
+
+    class Refusing(InProcessBackends):
+        async def relay(self, rreq):
+            raise RelaySaturated("relay replica holds 8 requests, its share of policy.relay_max_running (8)")
+            yield  # an async generator, like the real stream
+
+    b = Refusing(model_dir, wan_delay_s=0.1)
+    orch = _orch(b)
+    prompt = _prompt(81, 34)
+    ref = Engine.from_pretrained(model_dir).generate(prompt, 20)
+    out, st = asyncio.run(_run(orch, prompt, 20, {"pipeline": "P-RLD-MD"}))
+    assert out == ref and st.info.fallbacks == ["relay_full"] and st.info.md_tokens == 19, st.info
+    assert orch.relay_running == 0
+
+
+def test_the_pipeline_decision_reads_the_relay_pools_load_not_one_routers_count(model_dir):
+    b = InProcessBackends(model_dir)
+    orch = _orch(b, relay_max_running=2)
+    assert orch.relay_load() == 0
+    b.relay_load = lambda: 2  # another router's streams fill the pool
+    assert orch.relay_load() == 2
+    orch.relay_running = 3  # never less than this router's own
+    assert orch.relay_load() == 3
+
+
+def test_the_line_backlog_comes_from_the_senders_reports(model_dir):
+    """Two routers share one line: each sees the other's transfers through Prefill's reports, and
+    counts its own only until a report that includes them was asked for."""
+    from pdd_serve.serve.messages import LineState
+
+    b = InProcessBackends(model_dir)
+    orch = _orch(b)
+    orch.link = LinkEstimate(1e6, 0.01)  # 1 MB/s
+    now = time.monotonic()
+    orch.wan["mine"] = (400_000, now)  # decided just now: no report can hold it yet
+    orch.line_reports["p0"] = (LineState("p0", (800_000,), 8e6), now - 0.01)  # another router's transfer
+    backlog = orch.line().backlog
+    assert len(backlog) == 2 and sum(backlog) > 1_150_000, backlog
+    # a later report (asked for after "mine" was decided) carries it: the router's own entry goes
+    orch.line_reports["p0"] = (LineState("p0", (800_000, 400_000), 8e6), now + 0.2)
+    backlog = orch.line().backlog
+    assert "mine" not in orch.wan and len(backlog) == 2, (orch.wan, backlog)
+
+
+def test_md_replicas_come_and_go_with_the_live_set(model_dir):
+    """Autoscaling: the view follows Serve's live replica set: a removed replica is forgotten (never
+    picked again), a new one is polled and picked when it is the better choice."""
+    b = InProcessBackends(model_dir, num_md=2)
+    orch = _orch(b)
+    prompt = _prompt(82, 40)
+    ref = Engine.from_pretrained(model_dir).generate(prompt, 8)
+
+    async def main():
+        b.live = [0]  # replica 1 not up yet
+        out, st = await _run(orch, prompt, 8, {"pipeline": "P-MD"}, rid="a")
+        assert out == ref and st.info.md_replica == 0
+        b.live = [1]  # replica 0 scaled down, 1 up
+        watch = asyncio.ensure_future(orch.watch_views())
+        await asyncio.sleep(0.3)
+        assert set(orch.index.entries) == {1}
+        out, st = await _run(orch, prompt, 8, {"pipeline": "P-MD"}, rid="b", fresh_view=False)
+        watch.cancel()
+        return out, st
+
+    out, st = asyncio.run(main())
+    assert out == ref and st.info.md_replica == 1 and not st.info.fallbacks, st.info
