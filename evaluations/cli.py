@@ -1,4 +1,4 @@
-"""`pdd demo`, `pdd compare`, `pdd sweep hit-rate` and `pdd runs`: the evaluation subcommands.
+"""`pdd demo`, `pdd compare`, `pdd sweep hit-rate`, `pdd scale` and `pdd runs`: the evaluation subcommands.
 
 EVAL_COMMANDS is registered with the `pdd` CLI through the entry-point group `pdd_serve.commands`
 (pyproject.toml); pdd_serve imports nothing from here. This module stays light at import (argparse
@@ -296,6 +296,113 @@ def _run_sweep(args: argparse.Namespace) -> int:
     return 0 if res["final"]["outputs_identical"] else 1
 
 
+# ---------------------------------------------------------------- scale
+
+SCALE_DESCRIPTION = """\
+Ramp the offered load until Serve's autoscaler adds a second MainDecode replica, and show what the
+system delivers before and after. Deploys --graph (graphs/pdd.yaml: MainDecode autoscaling_config
+min 1, max 2, target_ongoing_requests 4, as written in the graph) on the local two-site cluster and
+offers open-loop Poisson requests (a shared --system-tokens prompt, warmed first, plus
+--prompt-tokens fresh tokens; --max-tokens out, greedy, ignore_eos) in three phases:
+
+  before  --rate-before req/s for --before-s seconds (one MD replica serves it)
+  ramp    --rate-after req/s until Serve reports a 2nd RUNNING MainDecode replica; an error after
+          --ramp-timeout seconds, with what was measured (replicas, running sequences on MD,
+          Serve's autoscaling log lines)
+  after   --rate-after req/s for --after-s more seconds on 2 replicas
+
+The MD replica count is sampled every 0.5 s (serve.status(), the replica actors). Afterwards every
+streamed answer is checked against one reference engine's greedy token ids.
+
+Takes ~5-7 minutes with the defaults on a 2-core machine (cluster start and deploy ~1-2 min, the
+phases ~2.5-3.5 min, the reference check ~30 s); --control adds ~2 min. Prints a table per phase
+(offered rate, MD replicas, TTFT/ITL P50/P90, SLA attainment, SLA goodput, requests per MD replica)
+and one final JSON line:
+
+  md_replicas_max          most RUNNING MainDecode replicas seen (2 when it scaled)
+  tokens_lost              requests that errored or streamed other than exactly --max-tokens ids
+  outputs_identical        every answer's token ids equal the reference engine's greedy ids
+  goodput_after_vs_before  goodput(after: rate_after, 2 replicas) / goodput(before: rate_before,
+                           1 replica); goodput = requests meeting the SLA (TTFT <= --sla-ttft and
+                           TPOT <= --sla-tpot) per second of the phase; read it against
+                           offered_load_ratio (rate_after / rate_before)
+  goodput_after_vs_one_replica   with --control: after's goodput over one fixed MD replica's at
+                           the same rate_after (what the 2nd replica bought)
+  scale_up_s               ramp start to the 2nd replica RUNNING
+  PHASE.*                  each phase's figures; after.requests_per_md_replica shows the new
+                           replica took work
+
+Logged to MLflow, experiment pdd-scale (`pdd runs --experiment pdd-scale`); requests.parquet,
+replicas.json (the samples) and summary.json under .pdd/eval/pdd-scale-TIME/. Exit status 1 when a
+token was lost, an output differed or MD never scaled.
+"""
+
+
+def _add_scale(p: argparse.ArgumentParser) -> None:
+    from evaluations.scale import ScaleConfig
+
+    d = ScaleConfig()
+    p.add_argument("--graph", default=d.graph,
+                   help="graph whose MainDecode has an autoscaling_config reaching 2 replicas (default: %(default)s)")
+    g = p.add_argument_group("offered load")
+    g.add_argument("--rate-before", type=float, default=d.rate_before, help="req/s before the ramp (default: %(default)s)")
+    g.add_argument("--rate-after", type=float, default=d.rate_after, help="req/s from the ramp on (default: %(default)s)")
+    g.add_argument("--before-s", type=float, default=d.before_s, help="before phase, seconds (default: %(default)s)")
+    g.add_argument("--after-s", type=float, default=d.after_s,
+                   help="after phase (2 replicas running), seconds (default: %(default)s)")
+    g.add_argument("--ramp-timeout", type=float, default=d.ramp_timeout_s,
+                   help="give up when no 2nd replica runs this long after the ramp starts (default: %(default)s)")
+    g.add_argument("--system-tokens", type=int, default=d.system_tokens,
+                   help="shared system prompt, warmed into the caches (default: %(default)s)")
+    g.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens,
+                   help="fresh prompt tokens per request (default: %(default)s)")
+    g.add_argument("--max-tokens", type=int, default=d.max_tokens, help="output tokens per request (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=d.seed, help="(default: %(default)s)")
+    g.add_argument("--control", action="store_true",
+                   help="afterwards, offer --rate-after for --after-s to the graph with MainDecode fixed at one "
+                        "replica (goodput_after_vs_one_replica; ~2 min more)")
+    g = p.add_argument_group("link and SLA")
+    g.add_argument("--link", default=None, help="the emulated WAN: a preset name or a YAML mapping (default: graphs/pdd.yaml's)")
+    g.add_argument("--sla-ttft", type=float, default=1.0, help="TTFT target, seconds (default: %(default)s)")
+    g.add_argument("--sla-tpot", type=float, default=0.1, help="TPOT target, seconds (default: %(default)s)")
+    g.add_argument("--timeout", type=float, default=300.0, help="per-request timeout, seconds (default: %(default)s)")
+    g = p.add_argument_group("tracking and output")
+    g.add_argument("--experiment", default="pdd-scale", help="MLflow experiment name (default: %(default)s)")
+    g.add_argument("--tracking-uri", default=None,
+                   help="MLflow store (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
+    g.add_argument("--no-mlflow", action="store_true", help="don't log to MLflow")
+    g.add_argument("--out", default=None, help="directory for the artifacts (default: .pdd/eval/EXPERIMENT-TIME)")
+    g.add_argument("--no-progress", action="store_true", help="no progress lines")
+    _add_env(p)
+
+
+def _run_scale(args: argparse.Namespace) -> int:
+    from evaluations.harness import EvalEnv, EvalError, parse_link
+    from evaluations.loadgen import SLA, LoadConfig
+    from evaluations.scale import ScaleConfig, run_scale
+    from pdd_serve.cluster import ClusterError
+
+    try:
+        cfg = ScaleConfig(graph=args.graph, rate_before=args.rate_before, rate_after=args.rate_after,
+                          before_s=args.before_s, after_s=args.after_s, ramp_timeout_s=args.ramp_timeout,
+                          system_tokens=args.system_tokens, prompt_tokens=args.prompt_tokens,
+                          max_tokens=args.max_tokens, control=args.control, seed=args.seed,
+                          link=parse_link(args.link), sla=SLA(args.sla_ttft, args.sla_tpot),
+                          load=LoadConfig(timeout_s=args.timeout),
+                          env=EvalEnv(args.cluster_port, args.state_dir, args.http_port, args.no_cluster,
+                                      args.keep_cluster),
+                          experiment=args.experiment, tracking_uri=args.tracking_uri, mlflow=not args.no_mlflow,
+                          out_dir=args.out, progress=not args.no_progress)
+    except (ValueError, EvalError) as e:
+        raise _usage(f"pdd scale: error: {e}") from None
+    try:
+        res = run_scale(cfg)
+    except (EvalError, ClusterError) as e:
+        return _fail("scale", e)
+    h = res["headline"]
+    return 0 if h["tokens_lost"] == 0 and h["outputs_identical"] and h["md_replicas_max"] >= 2 else 1
+
+
 # ---------------------------------------------------------------- runs
 
 RUNS_DESCRIPTION = """\
@@ -379,6 +486,8 @@ EVAL_COMMANDS: list[Command] = [
             _add_compare, _run_compare, COMPARE_DESCRIPTION),
     Command("sweep", "parameter sweeps: `pdd sweep hit-rate` (PDD's benefit vs prefix-hit rate)",
             _add_sweep, _run_sweep, SWEEP_DESCRIPTION),
+    Command("scale", "ramp the load until MainDecode autoscales 1 -> 2; TTFT/ITL and SLA goodput before and after",
+            _add_scale, _run_scale, SCALE_DESCRIPTION),
     Command("runs", "summary table of the evaluation runs in the MLflow store", _add_runs, _run_runs,
             RUNS_DESCRIPTION),
 ]
