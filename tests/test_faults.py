@@ -214,7 +214,7 @@ def test_saturated_relay_admits_no_more_and_loses_nothing(graph, ref_engine):
         assert ids == _ref(ref_engine, prompt, n), info
     st = _handle("Relay").stats.remote().result(timeout_s=30)
     assert st.extra["peak_live"] <= 8  # policy.relay_max_running in the dev graph
-    assert any("relay_lost" in info["fallbacks"] for _, info in results)
+    assert any("relay_full" in info["fallbacks"] for _, info in results)  # refused by the pool, served by MD
 
 
 def _plasma_bytes() -> int:
