@@ -314,8 +314,8 @@ offers open-loop Poisson requests (a shared --system-tokens prompt, warmed first
 The MD replica count is sampled every 0.5 s (serve.status(), the replica actors). Afterwards every
 streamed answer is checked against one reference engine's greedy token ids.
 
-Takes ~5-7 minutes with the defaults on a 2-core machine (cluster start and deploy ~1-2 min, the
-phases ~2.5-3.5 min, the reference check ~30 s); --control adds ~2 min. Prints a table per phase
+Takes ~6-7 minutes with the defaults on a 2-core machine (cluster start and deploy ~1 min, the
+phases ~3 min, the reference check ~1.5 min); --control adds ~2 min. Prints a table per phase
 (offered rate, MD replicas, TTFT/ITL P50/P90, SLA attainment, SLA goodput, requests per MD replica)
 and one final JSON line:
 
