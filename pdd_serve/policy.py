@@ -38,7 +38,7 @@ def wan_backlog(flows: list[tuple[int, float]], now: float, bandwidth_bps: float
 
 @dataclass(frozen=True)
 class MDStatus:
-    """What a Main decode replica reports when the router asks about a request."""
+    """A Main decode replica as the router sees it for one request (from its background view)."""
 
     index: Hashable  # the replica's key (its Serve replica id; the simulator numbers them)
     hit_blocks: int  # leading prompt blocks already in its DRC
@@ -88,7 +88,7 @@ def pick_md(candidates: list[MDStatus], prompt_blocks: int, block_bytes: int, li
     usable = [c for c in candidates if c.healthy] or candidates
     open_ = [c for c in usable if c.running < c.capacity] or usable
 
-    def cost(c: MDStatus) -> tuple[float, int]:
+    def cost(c: MDStatus) -> tuple[float, Hashable]:
         missing = max(0, prompt_blocks - c.hit_blocks) * block_bytes
         return link.transfer_s(missing) + load_penalty_s * c.running / max(1, c.capacity), c.index
 

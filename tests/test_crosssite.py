@@ -120,3 +120,33 @@ def test_closing_a_cross_site_stream_cancels_the_remote_one():
     finally:
         _Method.remote = orig
     assert created and created[0].cancelled
+
+
+def test_each_call_is_a_request_of_its_own_for_serves_request_router():
+    """Serve hands a child call its parent request's internal id, and Ray 2.60's request router
+    fulfils pending calls by that id: two calls in flight from one request to one deployment would
+    collide (one hangs or takes the other's replica). Each call clears it, so Serve makes a fresh one."""
+    import dataclasses
+
+    from ray.serve import context as serve_context
+
+    from pdd_serve.serve.crosssite import _remote
+
+    seen = []
+
+    class H:
+        def options(self, **kw):
+            return self
+
+        def remote(self, *args):
+            seen.append(serve_context._get_serve_request_context()._internal_request_id)
+
+    token = serve_context._serve_request_context.set(
+        dataclasses.replace(serve_context._get_serve_request_context(), _internal_request_id="parent"))
+    try:
+        _remote(H(), "prepare", None, ())
+        _remote(H(), "abort", "pin", (), stream=True)
+        assert seen == ["", ""]
+        assert serve_context._get_serve_request_context()._internal_request_id == "parent"  # untouched
+    finally:
+        serve_context._serve_request_context.reset(token)

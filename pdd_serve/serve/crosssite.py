@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -32,6 +34,22 @@ def _method(handle: Any, method: str, session_id: str | None, stream: bool = Fal
     return handle.options(**opts)
 
 
+def _remote(handle: Any, method: str, session_id: str | None, args: tuple, stream: bool = False) -> Any:
+    """`.remote(*args)` as a request of its own. Serve gives a child call its parent request's
+    internal id, and its request router fulfils a pending call by that id (Ray 2.60): two calls
+    from one request to one deployment in flight at once (an abort and a re-delivery's prepare,
+    two view polls from a task started inside a request) would share it, and one would hang or
+    take the other's replica. With no internal id in the context, Serve makes a fresh one."""
+    from ray.serve import context as serve_context
+
+    def call() -> Any:
+        cur = serve_context._get_serve_request_context()
+        serve_context._serve_request_context.set(dataclasses.replace(cur, _internal_request_id=""))
+        return _method(handle, method, session_id, stream).remote(*args)
+
+    return contextvars.copy_context().run(call)
+
+
 class CrossSiteHandle:
     """A Serve deployment handle whose every message crosses the WAN (`link.latency_at`)."""
 
@@ -45,14 +63,14 @@ class CrossSiteHandle:
 
     async def call(self, method: str, *args: Any, session_id: str | None = None) -> Any:
         await asyncio.sleep(self.delay_s())
-        result = await _method(self.handle, method, session_id).remote(*args)
+        result = await _remote(self.handle, method, session_id, args)
         await asyncio.sleep(self.delay_s())
         return result
 
     async def stream(self, method: str, *args: Any, session_id: str | None = None) -> AsyncIterator[Any]:
         """A streaming call; closing this generator cancels the remote stream at once."""
         await asyncio.sleep(self.delay_s())
-        gen = _method(self.handle, method, session_id, stream=True).remote(*args)
+        gen = _remote(self.handle, method, session_id, args, stream=True)
         q: asyncio.Queue = asyncio.Queue()
 
         async def read() -> None:  # records when each chunk arrived at the far end of the line
@@ -91,10 +109,10 @@ class LocalHandle:
         self.messages = 0
 
     async def call(self, method: str, *args: Any, session_id: str | None = None) -> Any:
-        return await _method(self.handle, method, session_id).remote(*args)
+        return await _remote(self.handle, method, session_id, args)
 
     def stream(self, method: str, *args: Any, session_id: str | None = None) -> AsyncIterator[Any]:
-        return _method(self.handle, method, session_id, stream=True).remote(*args)
+        return _remote(self.handle, method, session_id, args, stream=True)
 
 
 def site_handle(handle: Any, same_site: bool, link: Any) -> CrossSiteHandle | LocalHandle:

@@ -14,6 +14,11 @@ from typing import Any
 from pdd_serve.engine.sampling import SamplingParams
 
 
+class RelaySaturated(RuntimeError):
+    """A relay replica is at its share of policy.relay_max_running: the router keeps the request
+    on MD (or, with nowhere else to go, the client gets a 503 and retries)."""
+
+
 @dataclass(frozen=True)
 class GenRequest:
     request_id: str

@@ -34,6 +34,7 @@ from pdd_serve.serve.messages import (
     GenRequest,
     KVReady,
     LineState,
+    RelaySaturated,
     KVTarget,
     MDPrepareReply,
     MDView,
@@ -44,7 +45,9 @@ from pdd_serve.serve.messages import (
 )
 
 T = TypeVar("T")
-_REPORT_SLACK_S = 0.05  # a prefill call reaches its replica (same site) within this of the decision
+# a prefill call reaches its replica (same site) within this of the decision; one that a retry
+# delays past it may be missing from both the router's entries and the report for one period
+_REPORT_SLACK_S = 0.05
 # an MD replica's key: its Serve replica id (the request router pins calls to it); tests use ints
 MDKey = Hashable
 
@@ -69,13 +72,14 @@ def is_request_error(e: BaseException) -> bool:
 
 def is_overloaded(e: BaseException) -> bool:
     """A pool could not admit the request now (PoolFullError): retry later, not a dead replica."""
-    return any(isinstance(x, (PoolFullError, Overloaded)) for x in (e, _cause(e)))
+    return any(isinstance(x, (PoolFullError, Overloaded, RelaySaturated)) for x in (e, _cause(e)))
 
 
 def _relay_fault(e: BaseException) -> str:
     """A relay that refused (its pool is at relay_max_running, whichever routers sent) is full,
     not lost: the request goes to MD all the same."""
-    return "relay_full" if "RelaySaturated" in f"{type(e).__name__}: {e}" else "relay_lost"
+    full = is_overloaded(e) or is_overloaded(e.__cause__ or e) or "RelaySaturated" in f"{type(e).__name__}: {e}"
+    return "relay_full" if full else "relay_lost"
 
 
 def _follow(tasks: dict[Hashable, asyncio.Task], live: list[Hashable], start: Callable[[Hashable], Any]) -> None:
@@ -328,9 +332,14 @@ class Orchestrator:
         newest report was asked for, draining at a fair share (a transfer whose KV landed leaves
         at once). Any number of routers sees the same line, up to one view period."""
         now = time.monotonic()
-        newest = max((at for _, at in self.line_reports.values()), default=None)
-        if newest is not None:  # older ones are in the senders' reports by now
-            for r in [r for r, (_, t) in self.wan.items() if t < newest - _REPORT_SLACK_S]:
+        # a transfer decided before every live sender's last report was asked for is in one of
+        # them by now (which Prefill replica took it is Serve's choice); a sender with no report
+        # yet keeps them all
+        senders = self.b.prefill_replicas() or []
+        covered = (min((at for _, at in self.line_reports.values()), default=None)
+                   if self.line_reports and all(p in self.line_reports for p in senders) else None)
+        if covered is not None:
+            for r in [r for r, (_, t) in self.wan.items() if t < covered - _REPORT_SLACK_S]:
                 del self.wan[r]
         rids = list(self.wan)
         reported = [(b, at) for rep, at in self.line_reports.values() for b in rep.backlog]
@@ -539,6 +548,8 @@ class Orchestrator:
             if i is not None:
                 self.index.failed(i)
             return
+        if i is not None and view.replica != i:  # the pinned replica is gone: another one answered
+            self.index.failed(i)
         self.index.update(view)
 
     async def watch_views(self) -> None:

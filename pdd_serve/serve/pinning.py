@@ -131,9 +131,9 @@ def check_pin(replica: str) -> None:
 
 
 class PinnedRequestRouter(RequestRouter):
-    """Serve's request router for MainDecode (and the Router's per-replica view polls of Prefill
-    and Relay): pins by `session_id`, else least loaded. Configured in `serve/app.py` as
-    `request_router_config`."""
+    """Serve's request router for MainDecode, Prefill (the Router's per-replica `line_state`
+    polls are pinned) and Relay (whose routing stats give the pool's load): pins by `session_id`,
+    else least loaded. Set in each deployment's `@serve.deployment(request_router_config=...)`."""
 
     def update_replicas(self, replicas: Sequence[Any]) -> None:
         super().update_replicas(replicas)

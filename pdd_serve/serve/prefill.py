@@ -75,7 +75,8 @@ class _BlockFeed:
             yield run
 
 
-# prefill calls go to the least loaded replica (routing stats); the routers' `line_state` polls are
+# prefill calls go to the replica with the fewest prefills in progress (routing stats), then the
+# shortest queue; the routers' `line_state` polls are
 # pinned to each replica, to sum the line's backlog over every sender (`pinning.py`)
 @serve.deployment(max_ongoing_requests=64,
                   request_router_config={"request_router_class": ROUTER_CLASS,
@@ -93,7 +94,8 @@ class Prefill:
         self.sending = 0  # transfers on the line now (sender threads: under _send_lock)
         # request -> (KV bytes it sends, when it started): what this replica has on the line now.
         # The sender knows the line's backlog; routers poll `line_state` and plan with it
-        self.on_line: dict[str, tuple[int, float]] = {}
+        self.on_line: dict[tuple[str, int], tuple[int, float]] = {}  # by (request, transfer): a resend is its own
+        self.prefilling = 0  # prefill calls in progress (the routing stats' load)
         self.replica = this_replica()
         self._send_lock = threading.Lock()
         self.faults: dict[str, list[tuple[str, float]]] = {}
@@ -109,10 +111,12 @@ class Prefill:
         if feed is not None:
             t = preq.md_target
             end = blocks_needed(seq.prompt_len, self.engine.block_size) if t.end_block is None else t.end_block
-            self.on_line[req.request_id] = (max(0, end - t.start_block) * self.engine.layout.block_bytes, time.monotonic())
+            self.on_line[(req.request_id, id(feed))] = (max(0, end - t.start_block) * self.engine.layout.block_bytes,
+                                                       time.monotonic())
             self._start_sender(req.request_id, feed)
         t0 = time.perf_counter()
         kv_ref = None
+        self.prefilling += 1
         try:
             def on_chunk(s: Sequence) -> None:
                 if die is not None:  # injected: the process dies mid-prefill, as on a lost host
@@ -128,6 +132,8 @@ class Prefill:
             if feed is not None:  # after its last block this changes nothing: the transfer is whole
                 feed.abort(f"prefill of {req.request_id} failed: {type(e).__name__}")
             raise
+        finally:
+            self.prefilling -= 1
         wan = feed.nbytes if feed is not None else 0
         return PrefillResult(first, finish, seq.prefix_hit_tokens, time.perf_counter() - t0, wan, kv_ref, self.bw.bps)
 
@@ -174,7 +180,7 @@ class Prefill:
             finally:
                 with self._send_lock:
                     self.sending -= 1
-                self.on_line.pop(request_id, None)
+                self.on_line.pop((request_id, id(feed)), None)
 
         threading.Thread(target=send, name=f"kv-send-{request_id}", daemon=True).start()
 
@@ -187,7 +193,7 @@ class Prefill:
         return LineState(self.replica, tuple(b for b in left if b > 0), bps)
 
     def record_routing_stats(self) -> dict:
-        return {"running": self.worker.num_running, "capacity": self.worker.max_batch}
+        return {"running": self.prefilling, "capacity": self.worker.max_batch}
 
     def inject(self, fault: str, seconds: float = 0.0, count: int = 1) -> None:
         """Fault injection for tests and the soak (policy.allow_fault_injection): the next `count`

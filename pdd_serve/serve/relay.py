@@ -15,12 +15,8 @@ from pdd_serve.config import PDDConfig
 from pdd_serve.engine.scheduler import EngineWorker
 from pdd_serve.metrics import ReplicaGauges
 from pdd_serve.serve.common import load_engine, logger, placement
-from pdd_serve.serve.messages import RelayRequest, ReplicaStats, TokenChunk
+from pdd_serve.serve.messages import RelayRequest, RelaySaturated, ReplicaStats, TokenChunk
 from pdd_serve.serve.pinning import ROUTER_CLASS
-
-
-class RelaySaturated(RuntimeError):
-    """The relay replica is at its admission limit; the router keeps the request on MD."""
 
 
 def relay_share(cfg: PDDConfig) -> int:

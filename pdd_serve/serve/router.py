@@ -5,6 +5,7 @@ No `from __future__ import annotations` here: FastAPI reads the route signatures
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import time
 import uuid
@@ -186,7 +187,9 @@ class Router:
 
     def _watch_views(self) -> None:
         if self._watch is None or self._watch.done():
-            self._watch = asyncio.get_running_loop().create_task(self.orch.watch_views())
+            # a background task of its own, not of the request that happened to start it
+            self._watch = asyncio.get_running_loop().create_task(self.orch.watch_views(),
+                                                                 context=contextvars.Context())
 
     async def _handle(self, request: Request, kind: str) -> Response:
         self._watch_views()
