@@ -135,6 +135,11 @@ def test_handoff_calls_reach_the_replica_that_holds_the_request(graph, ref_engin
             assert info["handoff_mode"] == pdd["handoff_mode"] and info["md_tokens"] > 0, info
     assert {info["md_replica"] for _, info in outs} <= set(_mds())
     assert _pin_refusals() == 0
+    from ray import serve
+
+    # the Routers know the live replica set from Serve's request router: one view watcher per MD
+    st = serve.get_deployment_handle("Router", APP).stats.remote().result(timeout_s=30)
+    assert st["md_watchers"] == {r: "running" for r in _mds()}, st
 
 
 def test_two_routers_never_admit_more_than_the_relay_pool_holds(graph, ref_engine):

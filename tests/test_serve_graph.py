@@ -164,7 +164,7 @@ def test_policy_routes_cold_to_relay_and_next_turn_to_md_with_affinity(graph, re
         time.sleep(0.25)
     time.sleep(0.5)  # the router's background view (every 0.1 s, 50 ms each way) picks it up
     b = _complete(graph, turn2, 40)
-    assert b["pdd"]["pipeline"] == "P-MD", b["pdd"]
+    assert b["pdd"]["pipeline"] == "P-MD", json.dumps(b["pdd"])
     assert b["pdd"]["md_replica"] == a["pdd"]["md_replica"]
     assert b["pdd"]["prefix_hit_md"] > 0.9 and b["pdd"]["wan_bytes"] < 200_000
     assert b["choices"][0]["token_ids"] == ref_engine.generate(turn2, 40)

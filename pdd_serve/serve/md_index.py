@@ -58,6 +58,12 @@ class MDIndex:
         for i in [i for i in self.failures if i not in keep]:
             del self.failures[i]
 
+    def summary(self) -> dict:
+        """Each replica's view as the router holds it (its stats): age, DRC blocks, failed polls."""
+        now = self.clock()
+        return {str(i): {"age_s": round(now - e.at, 3), "drc_blocks": len(e.hashes), "running": e.view.running,
+                         "failures": self.failures.get(i, 0)} for i, e in self.entries.items()}
+
     def failed(self, i: Hashable) -> None:
         self.failures[i] = self.failures.get(i, 0) + 1
 

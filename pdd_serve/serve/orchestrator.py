@@ -213,6 +213,7 @@ class Orchestrator:
         self.bg: set[asyncio.Task] = set()  # fire-and-forget cleanups, kept referenced
         self.timeout = cfg.policy.kv_wait_timeout_s
         self.fallbacks: dict[str, int] = {}  # by kind, for metrics and the soak
+        self.watchers: dict[MDKey, asyncio.Task] = {}
         self.index_misses = 0  # requests whose MD held less than the router's view said
         period = cfg.policy.drc_view_period_s
         self.index = MDIndex(max_age_s=max(3.0, 20 * period),
@@ -566,7 +567,7 @@ class Orchestrator:
             while True:
                 await asyncio.gather(self._refresh_line(i), asyncio.sleep(period))
 
-        watchers: dict[MDKey, asyncio.Task] = {}
+        self.watchers = watchers = {}  # MD replica -> its view's poll loop (the stats show them)
         senders: dict[Hashable, asyncio.Task] = {}
         try:
             while True:

@@ -18,6 +18,7 @@ keep a view of each one.
 
 from __future__ import annotations
 
+import importlib
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -25,8 +26,7 @@ from typing import Any
 from ray.serve.request_router import RequestRouter
 
 PIN_PREFIX = "pdd-replica:"
-# by import path, not the class object: Serve would pickle a class by value, and each process's
-# copy would keep its own replica registry (`_live`) that the Router never sees
+# by import path, not the class object (which Serve would pickle by value)
 ROUTER_CLASS = "pdd_serve.serve.pinning.PinnedRequestRouter"
 
 # (app, deployment) -> the ids of its running replicas, as this process's request router last
@@ -137,9 +137,13 @@ class PinnedRequestRouter(RequestRouter):
 
     def update_replicas(self, replicas: Sequence[Any]) -> None:
         super().update_replicas(replicas)
+        # through the imported module, not this class's globals: Serve may hand this process a
+        # by-value copy of the class, whose globals would be a registry nobody reads
+        reg = importlib.import_module("pdd_serve.serve.pinning")
         key = (self._deployment_id.app_name, self._deployment_id.name)
-        _stats[key] = {r.replica_id.unique_id: dict(r.routing_stats or {}) for r in replicas}
-        _live[key] = tuple(sorted(_stats[key]))
+        stats = {r.replica_id.unique_id: dict(r.routing_stats or {}) for r in replicas}
+        reg._stats[key] = stats
+        reg._live[key] = tuple(sorted(stats))
 
     async def choose_replicas(self, candidate_replicas: list[Any], pending_request: Any = None) -> list[list[Any]]:
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}

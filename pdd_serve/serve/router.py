@@ -5,7 +5,6 @@ No `from __future__ import annotations` here: FastAPI reads the route signatures
 
 import asyncio
 import contextlib
-import contextvars
 import functools
 import time
 import uuid
@@ -178,6 +177,9 @@ class Router:
         line = self.orch.line()
         return {"role": "router", "in_flight": self.in_flight, "relay_running": self.orch.relay_running,
                 "relay_pool_running": self.orch.relay_load(), "md_replicas": self.orch.md_replicas(),
+                "md_views": self.orch.index.summary(),
+                "md_watchers": {str(i): "running" if not t.done() else repr(t.exception() if not t.cancelled() else "cancelled")
+                                for i, t in self.orch.watchers.items()},
                 "fallbacks": dict(self.orch.fallbacks), "link_bps": line.bandwidth_bps * 8,
                 "index_misses": self.orch.index_misses,
                 "control_messages_delayed": self.backends.control_messages_delayed,
@@ -187,9 +189,8 @@ class Router:
 
     def _watch_views(self) -> None:
         if self._watch is None or self._watch.done():
-            # a background task of its own, not of the request that happened to start it
-            self._watch = asyncio.get_running_loop().create_task(self.orch.watch_views(),
-                                                                 context=contextvars.Context())
+            # started inside a request; its calls still get ids of their own (crosssite._remote)
+            self._watch = asyncio.get_running_loop().create_task(self.orch.watch_views())
 
     async def _handle(self, request: Request, kind: str) -> Response:
         self._watch_views()
