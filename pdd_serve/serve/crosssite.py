@@ -24,28 +24,25 @@ from typing import Any
 _END = object()
 
 
-def _method(handle: Any, method: str, session_id: str | None, stream: bool = False) -> Any:
-    """`handle.method`, streaming or not, pinned to a replica when `session_id` names one."""
-    opts: dict[str, Any] = {"method_name": method}
-    if stream:
-        opts["stream"] = True
-    if session_id is not None:
-        opts["session_id"] = session_id
-    return handle.options(**opts)
-
-
 def _remote(handle: Any, method: str, session_id: str | None, args: tuple, stream: bool = False) -> Any:
-    """`.remote(*args)` as a request of its own. Serve gives a child call its parent request's
+    """`handle.method.remote(*args)`, streaming or not, pinned to a replica when `session_id` names
+    one, and a request of its own. Serve gives a child call its parent request's
     internal id, and its request router fulfils a pending call by that id (Ray 2.60): two calls
     from one request to one deployment in flight at once (an abort and a re-delivery's prepare,
     two view polls from a task started inside a request) would share it, and one would hang or
     take the other's replica. With no internal id in the context, Serve makes a fresh one."""
     from ray.serve import context as serve_context
 
+    opts: dict[str, Any] = {"method_name": method}
+    if stream:
+        opts["stream"] = True
+    if session_id is not None:
+        opts["session_id"] = session_id
+
     def call() -> Any:
         cur = serve_context._get_serve_request_context()
         serve_context._serve_request_context.set(dataclasses.replace(cur, _internal_request_id=""))
-        return _method(handle, method, session_id, stream).remote(*args)
+        return handle.options(**opts).remote(*args)
 
     return contextvars.copy_context().run(call)
 

@@ -45,6 +45,11 @@ def _pin(replica: str | None) -> str | None:
     return None if replica is None else pin(replica)
 
 
+def _live(deployment: tuple[str, str]) -> list[str] | None:
+    live = live_replicas(*deployment)  # None until Serve's request router for it has started
+    return None if live is None else list(live)
+
+
 class ServeBackends:
     """Adapts Serve deployment handles to the orchestrator's Backends protocol. Every call to a
     deployment in another site crosses the emulated WAN (`crosssite.site_handle`)."""
@@ -63,8 +68,7 @@ class ServeBackends:
         return sum(h.messages for h in (self.p, self.r, self.md) if h is not None)
 
     def md_replicas(self):  # noqa: ANN201 - signatures in orchestrator.Backends
-        live = live_replicas(*self._md_id)
-        return None if live is None else list(live)
+        return _live(self._md_id)
 
     # every call about a request is pinned to the MD replica that holds it (`pinning.py`);
     # i None (no view of any MD yet): Serve's request router picks the least loaded
@@ -93,8 +97,7 @@ class ServeBackends:
         return await self.p.call("prefill", preq)
 
     def prefill_replicas(self):  # noqa: ANN201
-        live = live_replicas(*self._p_id)
-        return None if live is None else list(live)
+        return _live(self._p_id)
 
     async def line_state(self, i):  # noqa: ANN001, ANN201
         return await self.p.call("line_state", session_id=_pin(i))
