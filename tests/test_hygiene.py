@@ -359,3 +359,44 @@ def test_router_parses_and_tokenizes_off_the_event_loop_on_one_thread(cfg, monke
     assert not any(on_loop for _, on_loop in parse.calls), parse.calls
     threads = {name for name, _ in parse.calls}
     assert len(threads) == 1 and threads != {threading.main_thread().name}, parse.calls
+
+
+# ---------------------------------------------------------------- the relay pool's share (issue 14)
+
+
+def test_relay_share_follows_the_pools_live_replicas(cfg, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each relay replica admits its share of `relay_max_running`; the share follows how many
+    replicas the pool really has (a `num_replicas` in the graph's `deployments:` may differ from
+    `sites.relay_replicas`), so the pool in total never admits more. Only Serve's replica context
+    and Ray's actor listing are stood in for (no cluster)."""
+    import dataclasses
+
+    from pdd_serve.serve import pinning, relay as relay_mod
+    from pdd_serve.serve.messages import RelayRequest, RelaySaturated
+
+    assert relay_mod.relay_share(8, 3) == 2 and relay_mod.relay_share(2, 4) == 1 and relay_mod.relay_share(8, 0) == 8
+    cfg = dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, relay_max_running=4))
+    live = {"r1": "a"}
+    ctx = types.SimpleNamespace(app_name="pdd", deployment="Relay")
+    monkeypatch.setattr(relay_mod.serve, "get_replica_context", lambda: ctx)
+    monkeypatch.setattr(pinning, "replica_actors", lambda app, dep: dict(live) if (app, dep) == ("pdd", "Relay") else {})
+    relay = relay_mod.Relay.func_or_class(cfg)
+    try:
+        assert relay.max_running == 4  # sites.relay_replicas is 1
+        live.update(r2="b", r3="c", r4="d")  # the YAML ran 4 replicas
+        relay._counted_at -= relay_mod.RECOUNT_S
+        relay.live = {"x"}  # holds one: its share is now 1, so the next request is refused
+
+        async def one() -> None:
+            async for _ in relay.generate(RelayRequest(_req("share"), (1,), None)):
+                pass
+
+        with pytest.raises(RelaySaturated, match=r"\(1\)"):
+            asyncio.run(one())
+        assert relay.max_running == 1
+        live.clear()  # a failed listing (or none yet) keeps the last share
+        relay._counted_at -= relay_mod.RECOUNT_S
+        asyncio.run(relay._recount())
+        assert relay.max_running == 1
+    finally:
+        relay.worker._exec.shutdown(wait=True)

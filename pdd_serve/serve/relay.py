@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 from collections.abc import AsyncIterator
 
 from ray import serve
@@ -19,9 +20,14 @@ from pdd_serve.serve.messages import RelayRequest, RelaySaturated, ReplicaStats,
 from pdd_serve.serve.pinning import ROUTER_CLASS
 
 
-def relay_share(cfg: PDDConfig) -> int:
+def relay_share(max_running: int, replicas: int) -> int:
     """Each relay replica's share of `policy.relay_max_running` (the pool never holds more)."""
-    return max(1, cfg.policy.relay_max_running // cfg.sites.relay_replicas)
+    return max(1, max_running // max(1, replicas))
+
+
+# how often a replica recounts the pool's live replicas: the graph's `deployments:` entry (or an
+# autoscaler) may run more or fewer than `sites.relay_replicas`
+RECOUNT_S = 5.0
 
 
 # `generate` goes to the least loaded replica by the replicas' routing stats (`pinning.py`), which
@@ -42,7 +48,8 @@ class Relay:
         self.die_after: int | None = None  # injected: the process exits after this many more tokens
         # the relay pool admits at most policy.relay_max_running in total, whichever routers send:
         # each replica takes its share (the pool's admission is decided here, not by a router)
-        self.max_running = relay_share(cfg)
+        self.max_running = relay_share(cfg.policy.relay_max_running, cfg.sites.relay_replicas)
+        self._counted_at = time.monotonic()
         self._gauges = ReplicaGauges.watch("relay", self.stats)  # pdd_replica_requests / kv_usage
 
     async def generate(self, rreq: RelayRequest) -> AsyncIterator[TokenChunk]:
@@ -51,6 +58,7 @@ class Relay:
         from pdd_serve.transport.object_store import get_kv
 
         req = rreq.req
+        await self._recount()
         if len(self.live) >= self.max_running:
             # admission control: an overloaded relay pool is how PDD fails (PDD.md), so refuse
             raise RelaySaturated(f"relay replica holds {len(self.live)} requests, its share of "
@@ -88,6 +96,23 @@ class Relay:
             self.live.discard(req.request_id)
         if final is not None:  # after the release: nothing is left to clean once the caller has it
             yield final
+
+    async def _recount(self) -> None:
+        """Keep this replica's share right when the pool has more or fewer replicas than the graph's
+        `sites.relay_replicas` (a `num_replicas` in `deployments:`, a replica lost or restarting)."""
+        if time.monotonic() - self._counted_at < RECOUNT_S:
+            return
+        self._counted_at = time.monotonic()
+        from pdd_serve.serve.pinning import replica_actors
+
+        try:
+            ctx = serve.get_replica_context()
+            n = len(await asyncio.to_thread(replica_actors, ctx.app_name, ctx.deployment))
+        except Exception as e:  # noqa: BLE001 - outside Serve or GCS busy: keep the last share
+            logger.debug("relay pool recount skipped: %s", e)
+            return
+        if n:
+            self.max_running = relay_share(self.cfg.policy.relay_max_running, n)
 
     def record_routing_stats(self) -> dict:
         """The routers' view of the relay pool's load (a hint for the pipeline decision; the
