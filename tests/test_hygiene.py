@@ -371,7 +371,8 @@ def test_relay_share_follows_the_pools_live_replicas(cfg, monkeypatch: pytest.Mo
     and Ray's actor listing are stood in for (no cluster)."""
     import dataclasses
 
-    from pdd_serve.serve import pinning, relay as relay_mod
+    from pdd_serve.serve import pinning
+    from pdd_serve.serve import relay as relay_mod
     from pdd_serve.serve.messages import RelayRequest, RelaySaturated
 
     assert relay_mod.relay_share(8, 3) == 2 and relay_mod.relay_share(2, 4) == 1 and relay_mod.relay_share(8, 0) == 8
