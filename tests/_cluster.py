@@ -81,3 +81,22 @@ def ray_two_sites(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterI
             else:
                 os.environ.pop(k, None)
         refresh_ray_auth_config()
+
+
+def running_mds(app: str) -> dict:
+    """{replica id: a handle pinned to it} for every MainDecode replica that is running now.
+
+    Ray lists a replica's actor as soon as it is created, before Serve routes to it; a call pinned
+    to a replica Serve does not know yet goes to another one (`pinning.PinnedRequestRouter`). So a
+    replica counts only once its pinned `stats` is answered by itself."""
+    from pdd_serve.serve.pinning import pinned_handle, replica_actors
+
+    out = {}
+    for r in sorted(replica_actors(app, "MainDecode")):
+        h = pinned_handle(app, "MainDecode", r)
+        try:
+            if h.stats.remote().result(timeout_s=30).extra["replica"] == r:
+                out[r] = h
+        except Exception:  # noqa: BLE001 - starting, stopping or just killed
+            pass
+    return out

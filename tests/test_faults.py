@@ -22,6 +22,7 @@ import yaml
 from pdd_serve.engine.engine import Engine
 from pdd_serve.engine.sampling import SamplingParams
 from pdd_serve.models import default_model_path
+from tests._cluster import running_mds
 from tests.test_serve_graph import _free_port
 
 pytestmark = pytest.mark.cluster
@@ -47,6 +48,9 @@ def graph(ray_two_sites, tmp_path_factory):
     assert proc.returncode == 0, proc.stderr[-3000:]
     url = f"http://127.0.0.1:{port}"
     _wait_healthy(url, 600)
+    deadline = time.monotonic() + 300
+    while len(_mds()) < 2 and time.monotonic() < deadline:  # the Router is up; both MDs too
+        time.sleep(1)
     yield url
     from ray import serve
 
@@ -106,10 +110,8 @@ def _stream(url: str, prompt: list[int], n: int, pdd: dict, on_chunk=None) -> tu
 
 
 def _mds() -> dict:
-    """{replica id: a handle pinned to it} for every live MainDecode replica (one deployment)."""
-    from pdd_serve.serve.pinning import pinned_handle, replica_actors
-
-    return {r: pinned_handle(APP, "MainDecode", r) for r in sorted(replica_actors(APP, "MainDecode"))}
+    """{replica id: a handle pinned to it} for every running MainDecode replica (one deployment)."""
+    return running_mds(APP)
 
 
 def _replica_actor(deployment: str):

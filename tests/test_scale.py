@@ -21,6 +21,8 @@ import httpx
 import pytest
 import yaml
 
+from pdd_serve.serve.pinning import replica_actors
+from tests._cluster import running_mds
 from tests.test_faults import _prompt, _ref, _wait_healthy
 from tests.test_serve_graph import _free_port
 
@@ -76,22 +78,15 @@ def ref_engine():
 
 
 def _mds() -> dict:
-    from pdd_serve.serve.pinning import pinned_handle, replica_actors
-
-    return {r: pinned_handle(APP, "MainDecode", r) for r in sorted(replica_actors(APP, "MainDecode"))}
+    return running_mds(APP)
 
 
 def _wait_replicas(n: int, timeout_s: float = 300) -> dict:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         mds = _mds()
-        if len(mds) == n:
-            try:  # running, not just named: each answers
-                for h in mds.values():
-                    h.stats.remote().result(timeout_s=10)
-                return mds
-            except Exception:  # noqa: BLE001 - still starting
-                pass
+        if len(mds) == n and len(replica_actors(APP, "MainDecode")) == n:  # none starting or stopping
+            return mds
         time.sleep(1)
     pytest.fail(f"MainDecode did not reach {n} replicas: {sorted(_mds())}")
 
