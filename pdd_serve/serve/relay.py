@@ -50,6 +50,7 @@ class Relay:
         # each replica takes its share (the pool's admission is decided here, not by a router)
         self.max_running = relay_share(cfg.policy.relay_max_running, cfg.sites.relay_replicas)
         self._counted_at = time.monotonic()
+        self._recounting: asyncio.Task | None = None
         self._gauges = ReplicaGauges.watch("relay", self.stats)  # pdd_replica_requests / kv_usage
 
     async def generate(self, rreq: RelayRequest) -> AsyncIterator[TokenChunk]:
@@ -58,7 +59,7 @@ class Relay:
         from pdd_serve.transport.object_store import get_kv
 
         req = rreq.req
-        await self._recount()
+        self._maybe_recount()
         if len(self.live) >= self.max_running:
             # admission control: an overloaded relay pool is how PDD fails (PDD.md), so refuse
             raise RelaySaturated(f"relay replica holds {len(self.live)} requests, its share of "
@@ -97,12 +98,15 @@ class Relay:
         if final is not None:  # after the release: nothing is left to clean once the caller has it
             yield final
 
-    async def _recount(self) -> None:
+    def _maybe_recount(self) -> None:
         """Keep this replica's share right when the pool has more or fewer replicas than the graph's
-        `sites.relay_replicas` (a `num_replicas` in `deployments:`, a replica lost or restarting)."""
-        if time.monotonic() - self._counted_at < RECOUNT_S:
-            return
-        self._counted_at = time.monotonic()
+        `sites.relay_replicas` (a `num_replicas` in `deployments:`, a replica lost or restarting).
+        In the background: a request never waits on the GCS for it."""
+        if time.monotonic() - self._counted_at >= RECOUNT_S and self._recounting is None:
+            self._counted_at = time.monotonic()
+            self._recounting = asyncio.get_running_loop().create_task(self._recount())
+
+    async def _recount(self) -> None:
         from pdd_serve.serve.pinning import replica_actors
 
         try:
@@ -110,7 +114,9 @@ class Relay:
             n = len(await asyncio.to_thread(replica_actors, ctx.app_name, ctx.deployment))
         except Exception as e:  # noqa: BLE001 - outside Serve or GCS busy: keep the last share
             logger.debug("relay pool recount skipped: %s", e)
-            return
+            n = 0
+        finally:
+            self._recounting = None
         if n:
             self.max_running = relay_share(self.cfg.policy.relay_max_running, n)
 
