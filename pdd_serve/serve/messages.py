@@ -7,8 +7,8 @@ block counts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Hashable
+from dataclasses import dataclass, field
 from typing import Any
 
 from pdd_serve.engine.sampling import SamplingParams

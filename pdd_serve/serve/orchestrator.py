@@ -33,14 +33,14 @@ from pdd_serve.serve.md_index import MDIndex
 from pdd_serve.serve.messages import (
     GenRequest,
     KVReady,
-    LineState,
-    RelaySaturated,
     KVTarget,
+    LineState,
     MDPrepareReply,
     MDView,
     PrefillRequest,
     PrefillResult,
     RelayRequest,
+    RelaySaturated,
     TokenChunk,
 )
 

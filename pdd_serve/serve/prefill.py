@@ -16,8 +16,8 @@ from pdd_serve.config import PDDConfig
 from pdd_serve.engine.engine import Sequence
 from pdd_serve.engine.kv import KVBlocks, blocks_needed, num_full_blocks
 from pdd_serve.engine.scheduler import EngineWorker
-from pdd_serve.serve.common import load_engine, logger, placement
 from pdd_serve.policy import wan_backlog
+from pdd_serve.serve.common import load_engine, logger, placement
 from pdd_serve.serve.messages import KVTarget, LineState, PrefillRequest, PrefillResult, ReplicaStats
 from pdd_serve.serve.pinning import ROUTER_CLASS, this_replica
 from pdd_serve.transport.link import BandwidthEstimator

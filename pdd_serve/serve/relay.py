@@ -49,7 +49,7 @@ class Relay:
         # the relay pool admits at most policy.relay_max_running in total, whichever routers send:
         # each replica takes its share (the pool's admission is decided here, not by a router)
         self.max_running = relay_share(cfg.policy.relay_max_running, cfg.sites.relay_replicas)
-        self._counted_at = time.monotonic()
+        self._counted_at = -RECOUNT_S  # the first request counts the pool (a replica added by a scale-up)
         self._recounting: asyncio.Task | None = None
         self._gauges = ReplicaGauges.watch("relay", self.stats)  # pdd_replica_requests / kv_usage
 

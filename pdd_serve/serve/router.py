@@ -24,8 +24,8 @@ from pdd_serve.serve import openai_api as oai
 from pdd_serve.serve.common import logger
 from pdd_serve.serve.crosssite import site_handle
 from pdd_serve.serve.messages import GenRequest
-from pdd_serve.serve.pinning import live_replicas, pin, replica_stats
 from pdd_serve.serve.orchestrator import Orchestrator, RequestState, is_overloaded
+from pdd_serve.serve.pinning import live_replicas, pin, replica_stats
 
 api = FastAPI(title="pdd_serve", description="PDD: Prefill -> Relay decode -> Main decode, OpenAI-compatible API")
 POOL_FULL_RETRY_AFTER_S = 1.0  # a pool frees as its requests finish: seconds, not minutes
