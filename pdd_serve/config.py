@@ -99,6 +99,35 @@ class EngineOverrides:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
 
 
+EMULATE_FIELDS = ("model", "chip", "tp", "time_scale")
+
+
+@dataclass(frozen=True)
+class EmulateEntry:
+    """One `emulate:` level (the shared top of the mapping, a site, or a role): the emulated
+    accelerator an engine paces its real steps to (pdd_serve/emulation.py). Unset fields keep what
+    the lower level says; precedence as `engines:`, lowest to highest: `emulate` itself,
+    `emulate.<site>`, `emulate.<role>`."""
+
+    model: Any = None  # a shape of pdd_serve/assets/costmodel.yaml by name, or one inline (a mapping)
+    chip: str | None = None  # a chip of the same catalog
+    tp: int | None = None  # chips per replica (tensor parallel); must divide the attention heads
+    time_scale: float | None = None  # slow motion: one for the whole graph
+
+    def __post_init__(self) -> None:
+        _require(self.model is None or (isinstance(self.model, str) and self.model) or isinstance(self.model, dict),
+                 f"model must name a model shape or give one inline, got {self.model!r}")
+        _require(self.chip is None or (isinstance(self.chip, str) and bool(self.chip)),
+                 f"chip must name a chip, got {self.chip!r}")
+        _require(self.tp is None or (_is_int(self.tp) and self.tp >= 1), f"tp must be an int >= 1, got {self.tp!r}")
+        _require(self.time_scale is None or (isinstance(self.time_scale, (int, float))
+                                             and not isinstance(self.time_scale, bool) and 0 < self.time_scale < 1e6),
+                 f"time_scale must be a number > 0, got {self.time_scale!r}")
+
+    def set_fields(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in EMULATE_FIELDS if getattr(self, f) is not None}
+
+
 @dataclass(frozen=True)
 class LinkConfig:
     """The inter-site link as the application sees it: a named preset of transport/link.py plus
@@ -112,12 +141,15 @@ class LinkConfig:
     def __post_init__(self) -> None:
         self.build(kv_bytes_per_token=2048)  # surfaces a bad preset or parameter here, with its name
 
-    def build(self, kv_bytes_per_token: int):  # -> transport.link.LinkModel
+    def build(self, kv_bytes_per_token: int, *, time_scale: float = 1.0, byte_scale: float = 1.0,
+              raw: bool = False):  # -> transport.link.LinkModel
+        """`raw`: the line's own rate, never scaled to the model (an emulated graph's KV bytes are
+        already the emulated model's, `byte_scale` per real byte)."""
         from pdd_serve.transport.link import LinkModel
 
         try:
-            return LinkModel.preset(self.preset, kv_bytes_per_token if self.scale_to_model else None,
-                                    **dict(self.overrides))
+            return LinkModel.preset(self.preset, kv_bytes_per_token if self.scale_to_model and not raw else None,
+                                    time_scale=time_scale, byte_scale=byte_scale, **dict(self.overrides))
         except (ValueError, TypeError) as e:
             raise ConfigError(f"link: {e}") from None
 
@@ -270,9 +302,12 @@ class PDDConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     # per-role / per-site engine settings over `model`, as sorted (key, overrides) pairs; see engine_for
     engines: tuple[tuple[str, EngineOverrides], ...] = ()
+    # emulated accelerators per role / site, as sorted (key, entry) pairs ("" is the shared top)
+    emulate: tuple[tuple[str, EmulateEntry], ...] = ()
 
     def __post_init__(self) -> None:
         self._check_engines()
+        self._check_emulate()
         cross = self.sites.prefill != self.sites.main_decode
         _require(cross or self.link.preset == "same_dc",
                  "prefill and main_decode share a site, so link.preset must be same_dc")
@@ -307,6 +342,108 @@ class PDDConfig:
             return dataclasses.replace(self.model, **merged)
         except ConfigError as e:
             raise ConfigError(f"the {role} engine (model + {' + '.join(used)}): {e}") from None
+
+    def emulation_for(self, role: str):  # -> pdd_serve.emulation.Emulation | None
+        """The emulated accelerator of one role (None: the graph runs unemulated)."""
+        return self._emulations().get(role)
+
+    @property
+    def emulated(self) -> bool:
+        return bool(self.emulate)
+
+    @property
+    def time_scale(self) -> float:
+        """Slow motion: every modeled duration, link delay and cross-site timeout is this many
+        times longer in real time (1 unemulated). Reported times divide it back."""
+        ems = self._emulations()
+        return next(iter(ems.values())).time_scale if ems else 1.0
+
+    def kv_scale(self, real_bytes_per_token: int) -> float:
+        """Emulated KV bytes per real KV byte (1 unemulated): what the link, the line's backlog,
+        the bandwidth view and `wan_bytes` count, while the real small blocks cross."""
+        ems = self._emulations()
+        return next(iter(ems.values())).kv_bytes_per_token / real_bytes_per_token if ems else 1.0
+
+    def link_model(self, real_bytes_per_token: int):  # -> transport.link.LinkModel
+        """The inter-site link as this graph paces it: scaled to the small model's KV unemulated;
+        the line's own rate, on the emulated clock, counting emulated KV bytes when emulated."""
+        if not self.emulated:
+            return self.link.build(real_bytes_per_token)
+        return self.link.build(real_bytes_per_token, time_scale=self.time_scale,
+                               byte_scale=self.kv_scale(real_bytes_per_token), raw=True)
+
+    def real_s(self, emulated_s: float) -> float:
+        """A duration in emulated seconds (a timeout, a delay) as the real seconds to wait."""
+        return emulated_s * self.time_scale
+
+    def _emulations(self) -> dict:
+        cached = self.__dict__.get("_emu_cache")
+        if cached is None:
+            cached = self._resolve_emulations()
+            object.__setattr__(self, "_emu_cache", cached)
+        return cached
+
+    def _resolve_emulations(self) -> dict:
+        from pdd_serve import costmodel
+        from pdd_serve.emulation import Emulation
+
+        if not self.emulate:
+            return {}
+        entries = dict(self.emulate)
+        cat = costmodel.load_catalog()
+        out = {}
+        for role in self.engine_roles():
+            merged: dict[str, Any] = {}
+            where: dict[str, str] = {}
+            for key in ("", getattr(self.sites, role), role):
+                for f, v in (entries[key].set_fields() if key in entries else {}).items():
+                    merged[f], where[f] = v, f"emulate.{key}.{f}" if key else f"emulate.{f}"
+            for f in ("model", "chip"):
+                _require(f in merged, f"emulate: the {role} engine has no {f} (set emulate.{f}, "
+                         f"emulate.{getattr(self.sites, role)}.{f} or emulate.{role}.{f}): an emulated graph "
+                         "emulates every engine, or its unemulated CPU roles would run in slow motion too")
+            try:
+                chip = cat.chip(merged["chip"])
+            except costmodel.CostModelError as e:
+                raise ConfigError(f"{where['chip']}: {str(e).removeprefix('chip: ')}") from None
+            try:
+                model = (costmodel.model_from(merged["model"], where["model"]) if isinstance(merged["model"], dict)
+                         else cat.model(merged["model"]))
+            except costmodel.CostModelError as e:
+                raise ConfigError(f"{where['model']}: {str(e).removeprefix('model: ')}") from None
+            tp = merged.get("tp", 1)
+            tpw = where.get("tp", "emulate.tp")
+            if model.heads is not None:  # KV heads split across chips, or replicated when fewer (as vLLM does)
+                kvh = model.kv_heads or model.heads
+                _require(model.heads % tp == 0 and (kvh % tp == 0 or tp % kvh == 0),
+                         f"{tpw}: tp {tp} does not divide {model.name}'s {model.heads} attention heads "
+                         f"({kvh} KV heads): tensor parallelism splits heads across chips")
+            emu = Emulation(chip, model, tp, float(merged.get("time_scale", 1.0)))
+            need = self.engine_for(role).max_model_len or 4096
+            _require(emu.kv_capacity_tokens >= need,
+                     f"{where['chip']}: {model.name} ({model.weight_bytes / 1e9:.0f} GB of weights) on {tp} x "
+                     f"{chip.name} ({chip.mem_gb:g} GB each) leaves KV room for {emu.kv_capacity_tokens} tokens, "
+                     f"under one {need}-token request: raise {tpw} or pick a larger chip")
+            out[role] = emu
+        shapes = {r: e.model.name for r, e in out.items()}
+        _require(len({e.model for e in out.values()}) == 1,
+                 f"emulate.model must be one for the whole graph (KV crosses between the roles), got {shapes}")
+        scales = {r: e.time_scale for r, e in out.items()}
+        _require(len(set(scales.values())) == 1,
+                 f"emulate.time_scale must be one for the whole graph (the link between sites runs on one clock), "
+                 f"got {scales}")
+        return out
+
+    def _check_emulate(self) -> None:
+        _require(isinstance(self.emulate, tuple) and all(
+            isinstance(e, tuple) and len(e) == 2 and isinstance(e[1], EmulateEntry) for e in self.emulate),
+                 "emulate must be (key, EmulateEntry) pairs (load_config builds them from `emulate:`)")
+        sites = {getattr(self.sites, r) for r in ENGINE_ROLES}
+        for key, _ in self.emulate:
+            _require(key == "" or key in ENGINE_ROLES or key in sites,
+                     f"emulate.{key} is neither a role ({', '.join(ENGINE_ROLES)}) nor a site an engine runs at "
+                     f"({', '.join(sorted(sites))})")
+        self._emulations()  # resolves and checks every deployed role now, with the field named
 
     def engine_roles(self) -> tuple[str, ...]:
         """The roles this graph deploys with an engine."""
@@ -407,14 +544,33 @@ def _build_engines(data: Any) -> tuple[tuple[str, EngineOverrides], ...]:
     return tuple(sorted(out, key=lambda kv: kv[0]))
 
 
+def _build_emulate(data: Any) -> tuple[tuple[str, EmulateEntry], ...]:
+    """`emulate: {model: llama-3-70b, time_scale: 50, a: {chip: h100-sxm, tp: 4}, b: {chip: h20, tp: 8}}`
+    -> sorted pairs; the shared top level is key ""."""
+    if data is None:
+        return ()
+    if not isinstance(data, dict):
+        raise ConfigError(f"emulate must be a mapping ({', '.join(EMULATE_FIELDS)} and role or site entries), "
+                          f"got {type(data).__name__}")
+    top = {k: v for k, v in data.items() if k in EMULATE_FIELDS}
+    out = [("", _build(EmulateEntry, top, "emulate"))] if top else []
+    for key, entry in data.items():
+        if key in EMULATE_FIELDS:
+            continue
+        if not isinstance(key, str) or not key:
+            raise ConfigError(f"emulate keys must be {', '.join(EMULATE_FIELDS)} or role or site names, got {key!r}")
+        out.append((key, _build(EmulateEntry, entry, f"emulate.{key}")))
+    return tuple(sorted(out, key=lambda kv: kv[0]))
+
+
 def load_config(args: dict[str, Any] | PDDConfig | None) -> PDDConfig:
     """Build and validate the one config object from a graph YAML's `args` mapping."""
     if isinstance(args, PDDConfig):
         return args
     args = dict(args or {})
-    unknown = sorted(set(args) - set(_SECTIONS) - {"graph", "engines"})
+    unknown = sorted(set(args) - set(_SECTIONS) - {"graph", "engines", "emulate"})
     if unknown:
-        raise ConfigError(f"unknown top-level arg(s) {unknown}; valid: graph, engines, {', '.join(_SECTIONS)}")
+        raise ConfigError(f"unknown top-level arg(s) {unknown}; valid: graph, engines, emulate, {', '.join(_SECTIONS)}")
     model = args.get("model")
     if isinstance(model, str):  # `model: /path/to/ckpt` shorthand
         args["model"] = {"path": model}
@@ -430,7 +586,8 @@ def load_config(args: dict[str, Any] | PDDConfig | None) -> PDDConfig:
     flight: FlightConfig = kw["flight"]
     if flight.token is None and os.environ.get("PDD_FLIGHT_TOKEN"):
         kw["flight"] = dataclasses.replace(flight, token=os.environ["PDD_FLIGHT_TOKEN"])
-    return PDDConfig(graph=str(args.get("graph", "pdd")), engines=_build_engines(args.get("engines")), **kw)
+    return PDDConfig(graph=str(args.get("graph", "pdd")), engines=_build_engines(args.get("engines")),
+                     emulate=_build_emulate(args.get("emulate")), **kw)
 
 
 def load_graph_yaml(path: str | Path, app_index: int = 0) -> PDDConfig:

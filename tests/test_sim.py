@@ -14,16 +14,16 @@ import pytest
 from evaluations.sim import simulator as simmod
 from evaluations.sim.config import ChipSpec, ModelSpec, SimConfigError, load_scenario
 from evaluations.sim.metrics import max_goodput, summarize
-from evaluations.sim.roofline import (
+from evaluations.sim.simulator import Simulation, _PJob
+from evaluations.sim.workload import SimRequest, Workload, mooncake_trace, synthetic
+from pdd_serve import policy
+from pdd_serve.costmodel import (
     decode_series,
     decode_step_time,
     kv_capacity_tokens,
     prefill_time,
     weight_bytes_read,
 )
-from evaluations.sim.simulator import Simulation, _PJob
-from evaluations.sim.workload import SimRequest, Workload, mooncake_trace, synthetic
-from pdd_serve import policy
 
 TINY = """\
 name: tiny

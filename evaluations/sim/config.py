@@ -17,6 +17,8 @@ from typing import Any
 import yaml
 
 from pdd_serve.config import ConfigError, LinkConfig, PolicyConfig
+from pdd_serve.costmodel import ChipSpec, CostModelError, check_fits
+from pdd_serve.costmodel import ModelShape as ModelSpec
 
 SIM_DIR = Path(__file__).resolve().parent
 SCENARIO_DIR = SIM_DIR / "scenarios"
@@ -38,80 +40,6 @@ def _pos(x: float) -> bool:
 
 
 # ---------------------------------------------------------------- chips and models
-
-
-@dataclass(frozen=True)
-class ChipSpec:
-    """One accelerator. YAML units are the human ones; the properties give SI."""
-
-    name: str
-    peak_tflops: float  # dense FLOP/s at the serving dtype, 1e12
-    mem_gb: float  # HBM capacity, 1e9 bytes
-    mem_bw_gb_s: float  # HBM bandwidth, 1e9 bytes/s
-    interconnect_gb_s: float  # scale-out (RDMA) bandwidth per chip, 1e9 bytes/s: KV copies inside a site
-    price_per_hour: float  # in one currency unit for the whole catalog
-    mfu: float = 0.5  # achievable fraction of peak compute
-    mbu: float = 0.8  # achievable fraction of memory bandwidth
-    forward_overhead_ms: float = 0.0  # fixed cost of one forward pass (launch, scheduling, sync)
-    description: str = ""
-
-    def __post_init__(self) -> None:
-        for f in ("peak_tflops", "mem_gb", "mem_bw_gb_s", "interconnect_gb_s", "price_per_hour"):
-            _check(_pos(getattr(self, f)), f, f"must be a number > 0, got {getattr(self, f)!r}")
-        for f in ("mfu", "mbu"):
-            _check(_pos(getattr(self, f)) and getattr(self, f) <= 1, f, f"must be in (0, 1], got {getattr(self, f)!r}")
-        _check(self.forward_overhead_ms >= 0, "forward_overhead_ms", "must be >= 0")
-
-    @property
-    def flops(self) -> float:
-        return self.peak_tflops * 1e12 * self.mfu
-
-    @property
-    def mem_bytes(self) -> float:
-        return self.mem_gb * 1e9
-
-    @property
-    def bw(self) -> float:
-        return self.mem_bw_gb_s * 1e9 * self.mbu
-
-    @property
-    def interconnect_bw(self) -> float:
-        return self.interconnect_gb_s * 1e9
-
-    @property
-    def overhead_s(self) -> float:
-        return self.forward_overhead_ms / 1e3
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    name: str
-    params_b: float  # total parameters, 1e9
-    layers: int
-    hidden: int
-    attn_dim: int  # query heads x head dim: attention FLOPs per (token, key) are 4 x layers x attn_dim
-    kv_bytes_per_token: int  # all layers, K and V, at the serving dtype
-    active_params_b: float | None = None  # MoE: parameters one token touches (None: dense)
-    bytes_per_param: float = 2.0
-    act_bytes: float = 2.0  # activation dtype, for tensor-parallel all-reduces
-
-    def __post_init__(self) -> None:
-        for f in ("params_b", "layers", "hidden", "attn_dim", "kv_bytes_per_token", "bytes_per_param", "act_bytes"):
-            _check(_pos(getattr(self, f)), f, f"must be a number > 0, got {getattr(self, f)!r}")
-        _check(self.active_params_b is None or (_pos(self.active_params_b) and self.active_params_b <= self.params_b),
-               "active_params_b", f"must be in (0, params_b], got {self.active_params_b!r}")
-
-    @property
-    def params(self) -> float:
-        return self.params_b * 1e9
-
-    @property
-    def active_params(self) -> float:
-        return (self.active_params_b or self.params_b) * 1e9
-
-    @property
-    def weight_bytes(self) -> float:
-        return self.params * self.bytes_per_param
 
 
 # ---------------------------------------------------------------- workload, SLA, scheduler, link
@@ -337,7 +265,7 @@ def _build(cls: type, data: Any, where: str, path: Path, **extra: Any) -> Any:
         return cls(**kw, **extra)
     except SimConfigError as e:
         raise SimConfigError(f"{path}: {where}.{e}") from None
-    except ConfigError as e:
+    except (ConfigError, CostModelError) as e:
         raise SimConfigError(f"{path}: {where}.{e}") from None
     except TypeError as e:
         raise SimConfigError(f"{path}: {where}: {e}") from None
@@ -374,14 +302,17 @@ def load_chips(path: str | Path) -> dict[str, ChipSpec]:
 def _from_price_catalog(spec: Any) -> Any:
     """evaluations/chips.yaml's entries (the BCR price catalog of `pdd compare`: peak_tflops,
     memory_gb, memory_bw_tbps, interconnect_gbps, price_per_hour) as ChipSpec fields; mfu, mbu
-    and the per-forward overhead keep ChipSpec's defaults."""
+    and the per-forward overhead keep ChipSpec's defaults. That catalog's `interconnect_gbps` is
+    the scale-UP (NVLink) figure: it feeds tensor-parallel all-reduces, never in-site KV copies,
+    which take a 400 Gb/s NIC (50 GB/s) unless the entry names `nic_gb_s`."""
     if not isinstance(spec, dict) or "memory_gb" not in spec:
         return spec
-    known = {"peak_tflops", "memory_gb", "memory_bw_tbps", "interconnect_gbps", "price_per_hour"}
+    known = {"peak_tflops", "memory_gb", "memory_bw_tbps", "interconnect_gbps", "nic_gb_s", "price_per_hour"}
     out = {k: v for k, v in spec.items() if k not in known}
     out.update(peak_tflops=spec.get("peak_tflops"), mem_gb=spec.get("memory_gb"),
                mem_bw_gb_s=None if spec.get("memory_bw_tbps") is None else spec["memory_bw_tbps"] * 1000,
-               interconnect_gb_s=spec.get("interconnect_gbps"), price_per_hour=spec.get("price_per_hour"))
+               scaleup_gb_s=spec.get("interconnect_gbps"), interconnect_gb_s=spec.get("nic_gb_s", 50.0),
+               price_per_hour=spec.get("price_per_hour"))
     return out
 
 
@@ -491,7 +422,6 @@ def load_scenario(name_or_path: str | Path) -> Scenario:
     sc = Scenario(str(doc.get("name", path.stem)), str(path), chips, model, workload, sla, sched, links, deps,
                   compare, dict(doc.get("goodput") or {}), dict(doc.get("bathtub") or {}), ps,
                   dict(doc.get("reference") or {}), dict(doc.get("plan") or {}))
-    from evaluations.sim.roofline import check_fits  # every role must hold the model's weights
 
     for d in deps.values():
         for role, r in d.roles().items():

@@ -7,7 +7,7 @@ Instances:
 - Prefill: a FIFO of jobs run as chunked forwards (a token budget per forward, short prompts
   packed together, a long prompt's tail chunk alone / packed / padded per the scheduler spec).
 - Decode (RLD, MD, or the same-DC decode pool): continuous batching. Between two membership
-  changes the step times form a closed-form series (roofline.StepSeries), so an instance wakes
+  changes the step times form a closed-form series (costmodel.StepSeries), so an instance wakes
   only when a sequence finishes or when a join, cancel or extend is waiting for a step boundary.
   Extends (handoff batches, the final extend, absorbs) run between steps, like pdd_serve's
   EngineWorker, and stall the batch while they run.
@@ -26,14 +26,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from evaluations.sim.config import ChipSpec, DeploymentSpec, ModelSpec, Scenario
-from evaluations.sim.roofline import (
+from evaluations.sim.workload import SimRequest, Workload
+from pdd_serve.costmodel import (
     StepSeries,
     decode_series,
     kv_capacity_tokens,
     kv_copy_time,
     prefill_time,
 )
-from evaluations.sim.workload import SimRequest, Workload
 from pdd_serve.engine.kv import blocks_needed
 from pdd_serve.engine.radix_cache import RadixCache
 from pdd_serve.policy import (

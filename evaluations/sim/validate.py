@@ -385,7 +385,7 @@ def _engine_timings(repeats: int = 5) -> dict[str, list[tuple[Any, float]]]:
 
 
 def _predict(chip: ChipSpec, m: ModelSpec, kind: str, x: int) -> float:
-    from evaluations.sim.roofline import decode_step_time, prefill_time
+    from pdd_serve.costmodel import decode_step_time, prefill_time
 
     if kind == "prefill":
         t, done = 0.0, 0

@@ -89,6 +89,8 @@ class Engine:
         self.num_preempted = 0  # sequences waiting to resume (they go before new admissions)
         self._decoding: dict[int, Sequence] = {}  # id -> sequence that `step` decodes: preemptible
         self.preemptions = 0  # total, for stats and tests
+        # emulated accelerator (pdd_serve/emulation.py): each forward is held to its modeled time
+        self.pacer = None  # StepPacer | None
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: torch.dtype | str | None = None,
@@ -290,10 +292,14 @@ class Engine:
             mask=(torch.arange(nb * bs, device=dev)[None, :] <= positions[:, None])[:, None, None, :],
         )
         ids = torch.tensor([[s.token_ids[-1]] for s in seqs], dtype=torch.long, device=dev)
+        t0 = self.pacer.begin() if self.pacer is not None else 0.0
         logits = self.model(ids, positions[:, None], self.pool, ctx)
         for s in seqs:
             s.num_computed += 1
-        return self._append_sampled(seqs, logits)
+        toks = self._append_sampled(seqs, logits)
+        if self.pacer is not None:  # after sampling: the step's tokens exist before its time is up
+            self.pacer.end("decode", t0, self.pacer.emulation.decode_s(len(seqs), sum(pos)))
+        return toks
 
     def _forward(self, seq: Sequence, end: int, sample: bool = True) -> int | None:
         """Compute KV for tokens [num_computed, end) in one forward; sample the next token when
@@ -319,9 +325,13 @@ class Engine:
         )
         ids = torch.tensor([seq.token_ids[start:end]], dtype=torch.long, device=dev)
         sample = sample and end == len(seq.token_ids)
+        t0 = self.pacer.begin() if self.pacer is not None else 0.0
         logits = self.model(ids, pos[None], self.pool, ctx) if sample else self.model.fill_kv(ids, pos[None], self.pool, ctx)
         seq.num_computed = end
-        return self._append_sampled([seq], logits)[0] if sample else None
+        tok = self._append_sampled([seq], logits)[0] if sample else None
+        if self.pacer is not None:
+            self.pacer.end("prefill", t0, self.pacer.emulation.prefill_s(end - start, start))
+        return tok
 
     def _append_sampled(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         toks = sample(logits, [s.params for s in seqs], [len(s.token_ids) - s.prompt_len for s in seqs])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from pdd_serve.config import ModelConfig, PDDConfig
+from pdd_serve.emulation import Emulation, StepPacer
 from pdd_serve.engine.engine import Engine
 
 logger = logging.getLogger("pdd_serve")
@@ -12,23 +13,52 @@ logger = logging.getLogger("pdd_serve")
 SITE_LABEL = "pdd.site"
 
 
-def load_engine(model: ModelConfig, enable_prefix_cache: bool = True, threads: int = 1) -> Engine:
+def load_engine(model: ModelConfig, enable_prefix_cache: bool = True, threads: int = 1,
+                emulation: Emulation | None = None) -> Engine:
     """Each replica gets a thread budget: several replicas share few cores on one machine.
 
     `model` is the role's effective config (`PDDConfig.engine_for(role)`); its `threads`, when the
-    graph sets it (`model.threads` or `engines.<role|site>.threads`), wins over the role's default."""
+    graph sets it (`model.threads` or `engines.<role|site>.threads`), wins over the role's default.
+    With an `emulation` (`PDDConfig.emulation_for(role)`) every forward is paced to the emulated
+    chip and the KV pool holds what the emulated chips hold (in real blocks of the small model),
+    capped by `kv_cache_bytes`: nothing allocates gigabytes because a chip has them."""
     import torch
 
+    from pdd_serve.engine.kv import KVLayout, dtype_name
     from pdd_serve.models import resolve_model
 
     torch.set_num_threads(max(1, model.threads if model.threads is not None else threads))
+    path = resolve_model(model.path)
+    kv_bytes, prefix_bytes = model.kv_cache_bytes, model.prefix_cache_bytes
+    if emulation is not None:
+        from pdd_serve.engine.model import ModelArgs
+
+        a = ModelArgs.from_checkpoint(path)
+        real = KVLayout(a.num_layers, a.num_kv_heads, a.head_dim, model.block_size,
+                        dtype_name(getattr(torch, model.kv_dtype))).bytes_per_token
+        emulated = emulation.kv_capacity_tokens * real
+        if emulated < kv_bytes:
+            kv_bytes = emulated
+            prefix_bytes = None if prefix_bytes is None else min(prefix_bytes, kv_bytes)
+        else:
+            logger.warning("emulated KV capacity %d tokens (%s) exceeds the real pool (kv_cache_bytes %d): "
+                           "admission sees the real pool's %d tokens", emulation.kv_capacity_tokens,
+                           emulation.label(), kv_bytes, kv_bytes // real)
     engine = Engine.from_pretrained(
-        resolve_model(model.path), device=model.device, dtype=model.dtype, block_size=model.block_size,
-        kv_cache_bytes=model.kv_cache_bytes, prefix_cache_bytes=model.prefix_cache_bytes,
-        enable_prefix_cache=enable_prefix_cache,
+        path, device=model.device, dtype=model.dtype, block_size=model.block_size,
+        kv_cache_bytes=kv_bytes, prefix_cache_bytes=prefix_bytes, enable_prefix_cache=enable_prefix_cache,
     )
     engine.warmup()
+    if emulation is not None:
+        engine.pacer = StepPacer(emulation)  # after warmup: its first-call costs are not the chip's
     return engine
+
+
+
+def emulation_stats(engine: Engine) -> dict:
+    """The pacer's per-step-kind counts (steps, overruns, modeled seconds) for a replica's stats."""
+    p = engine.pacer
+    return {"emulation": {**p.stats(), **p.emulation.params()}} if p is not None else {}
 
 
 def actor_options(cfg: PDDConfig, site: str, num_cpus: float | None = None) -> dict:

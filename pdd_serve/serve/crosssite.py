@@ -56,7 +56,7 @@ class CrossSiteHandle:
 
     def delay_s(self) -> float:
         self.messages += 1
-        return self.link.latency_at(self.link.now())
+        return self.link.real_latency_s()  # emulated: the latency in slow motion
 
     async def call(self, method: str, *args: Any, session_id: str | None = None) -> Any:
         await asyncio.sleep(self.delay_s())

@@ -15,7 +15,7 @@ from pdd_serve.engine.engine import Sequence
 from pdd_serve.engine.kv import block_hashes, blocks_needed
 from pdd_serve.engine.scheduler import EngineWorker
 from pdd_serve.metrics import ReplicaGauges
-from pdd_serve.serve.common import load_engine, logger, placement
+from pdd_serve.serve.common import emulation_stats, load_engine, logger, placement
 from pdd_serve.serve.messages import GenRequest, KVReady, MDPrepareReply, MDView, ReplicaStats, TokenChunk
 from pdd_serve.serve.pinning import ROUTER_CLASS, ReplicaGone, check_pin, this_replica
 
@@ -37,7 +37,8 @@ class MainDecode:
     def __init__(self, cfg: PDDConfig, replica: str | None = None) -> None:
         self.cfg = cfg
         self.replica = replica or this_replica()
-        self.engine = load_engine(cfg.engine_for("main_decode"), enable_prefix_cache=cfg.policy.drc)
+        self.engine = load_engine(cfg.engine_for("main_decode"), enable_prefix_cache=cfg.policy.drc,
+                                  emulation=cfg.emulation_for("main_decode"))
         self.worker = EngineWorker(self.engine, cfg.engine_for("main_decode").max_batch)
         self.where = placement()
         self.started_at = time.time()
@@ -142,7 +143,7 @@ class MainDecode:
 
     async def _receive(self, request_id: str, seq: Sequence) -> KVReady:
         try:
-            got = await self.flight.wait_complete(request_id, self.cfg.flight.deadline_s)
+            got = await self.flight.wait_complete(request_id, self.cfg.real_s(self.cfg.flight.deadline_s))
             # joining the received runs copies the whole delta: on the engine thread, not the event
             # loop; the Flight server verified every block's CRC on arrival, once per hop is enough
             await self.worker.call(lambda: self.engine.import_kv(seq, got.blocks, verify=not self.flight.verify_checksums))
@@ -176,7 +177,8 @@ class MainDecode:
                 raise MDRequestError(f"{request_id}: MD holds tokens that differ from the committed stream")
             t1 = time.perf_counter()
             tok = await self.worker.call(self.engine.extend, seq, list(committed[have:]))
-            timings = {"md_kv_wait_s": t1 - t0, "md_step_s": time.perf_counter() - t1}
+            ts = self.cfg.time_scale  # reported in emulated seconds
+            timings = {"md_kv_wait_s": (t1 - t0) / ts, "md_step_s": (time.perf_counter() - t1) / ts}
             if seq.finish_reason is not None:
                 final = TokenChunk([tok], seq.finish_reason, timings)
             else:
@@ -244,7 +246,7 @@ class MainDecode:
                             {"flight": self.flight.location, "replica": self.replica, "calls": len(self._calls),
                              "registering": len(self._registered), "pin_refusals": self.pin_refusals, "worker_running": self.worker.num_running,
                              "flight_bytes_reserved": self.flight.bytes_reserved, "started_at": self.started_at,
-                             "preemptions": e.preemptions,
+                             "preemptions": e.preemptions, **emulation_stats(e),
                              **self.where})
 
     # ------------------------------------------------------------ helpers
@@ -252,7 +254,7 @@ class MainDecode:
     async def _reap_orphans(self) -> None:
         """Drop requests no router call has touched for a while (a router that gave up on this
         replica, or a client stream cancelled before its abort arrived): nothing leaks."""
-        grace = 2 * self.cfg.policy.kv_wait_timeout_s
+        grace = 2 * self.cfg.real_s(self.cfg.policy.kv_wait_timeout_s)
         now = time.monotonic()
         for rid, (_, t) in list(self._aborted.items()):
             if now - t > grace:
@@ -263,7 +265,7 @@ class MainDecode:
 
     async def _reaper(self) -> None:
         while True:
-            await asyncio.sleep(self.cfg.policy.kv_wait_timeout_s / 2)
+            await asyncio.sleep(self.cfg.real_s(self.cfg.policy.kv_wait_timeout_s) / 2)
             await self._reap_orphans()
 
     @contextlib.contextmanager
@@ -297,10 +299,12 @@ class MainDecode:
         from pdd_serve.transport.flight import KVFlightServer
 
         fl = self.cfg.flight
-        return KVFlightServer(fl.bind_host, fl.port, layout=self.engine.layout, token=fl.token,
-                              tls_cert=fl.tls_cert, tls_key=fl.tls_key, advertise_host=fl.advertise_host,
-                              max_bytes_per_request=fl.max_bytes_per_request, max_bytes_total=fl.max_bytes_total,
-                              mac_key=fl.mac_key)
+        server = KVFlightServer(fl.bind_host, fl.port, layout=self.engine.layout, token=fl.token,
+                                tls_cert=fl.tls_cert, tls_key=fl.tls_key, advertise_host=fl.advertise_host,
+                                max_bytes_per_request=fl.max_bytes_per_request, max_bytes_total=fl.max_bytes_total,
+                                mac_key=fl.mac_key)
+        server.expect_wait_s = self.cfg.real_s(server.expect_wait_s)  # a prepare crossing the line, in slow motion
+        return server
 
     def _seq(self, request_id: str) -> Sequence:
         seq = self.seqs.get(request_id)
@@ -314,7 +318,7 @@ class MainDecode:
         if request_id not in self.seqs and request_id not in self._aborted:
             ev = self._registered.setdefault(request_id, asyncio.Event())
             try:
-                await asyncio.wait_for(ev.wait(), min(timeout_s, self.cfg.policy.kv_wait_timeout_s))
+                await asyncio.wait_for(ev.wait(), min(timeout_s, self.cfg.real_s(self.cfg.policy.kv_wait_timeout_s)))
             except asyncio.TimeoutError:
                 pass
             finally:  # also when the caller went away (a cancelled stream)

@@ -211,13 +211,23 @@ class Orchestrator:
         self.wan: dict[str, tuple[int, float]] = {}
         self.relay_running = 0  # relay streams this router holds (its stats; the pool's load decides)
         self.bg: set[asyncio.Task] = set()  # fire-and-forget cleanups, kept referenced
-        self.timeout = cfg.policy.kv_wait_timeout_s
+        # every cross-site wait, in real seconds: scaled once here (MD takes the Router's value)
+        self.timeout = cfg.real_s(cfg.policy.kv_wait_timeout_s)
+        self.time_scale = cfg.time_scale
         self.fallbacks: dict[str, int] = {}  # by kind, for metrics and the soak
         self.watchers: dict[MDKey, asyncio.Task] = {}
         self.index_misses = 0  # requests whose MD held less than the router's view said
         period = cfg.policy.drc_view_period_s
         self.index = MDIndex(max_age_s=max(3.0, 20 * period),
-                             settle_s=period + 2 * link.latency_s + 0.05)
+                             settle_s=period + cfg.real_s(2 * link.latency_s) + 0.05)
+
+    def _now(self) -> float:
+        """The emulated clock (real seconds / time_scale): what the line's backlog ages on."""
+        return time.monotonic() / self.time_scale
+
+    def _since(self, t0: float) -> float:
+        """Emulated seconds since real monotonic time t0: every duration a response reports."""
+        return (time.monotonic() - t0) / self.time_scale
 
     # ------------------------------------------------------------ entry point
 
@@ -241,7 +251,7 @@ class Orchestrator:
         dec = choose_pipeline(len(prompt), gen.params.max_tokens, missing, link, self.relay_load(), pol,
                               forced.get("pipeline"))
         info.pipeline, info.reason = dec.pipeline, dec.reason
-        info.decision_s = time.monotonic() - st.t0
+        info.decision_s = self._since(st.t0)
         prepared = False
         prep: asyncio.Future | None = None
         try:
@@ -265,10 +275,10 @@ class Orchestrator:
                 prepared = True
                 info.md_replica = md
                 self.index.assigned(md)
-                self.wan[gen.request_id] = ((nblocks - planned) * self.block_bytes, time.monotonic())
+                self.wan[gen.request_id] = ((nblocks - planned) * self.block_bytes, self._now())
             late = pol.late_relay and "P-RLD-MD" in pol.pipelines and dec.pipeline == "P-MD" and not forced
             pre = await self._prefill(st, PrefillRequest(gen, dec.pipeline != "P-MD" or late, target))
-            info.prefill_s = time.monotonic() - st.t0 - info.decision_s
+            info.prefill_s = self._since(st.t0) - info.decision_s
             info.prefix_hit_p = pre.prefix_hit_tokens / len(prompt)
             if prep is not None and prep.done() and not prep.exception():
                 # decide as late as the end of prefill: a stale view may have hidden a large delta
@@ -277,7 +287,7 @@ class Orchestrator:
                     self.wan.pop(gen.request_id, None)  # the line without this request's own planned bytes
                     redo = choose_pipeline(len(prompt), gen.params.max_tokens, real * self.block_bytes,
                                            self.line(), self.relay_load(), pol)
-                    self.wan[gen.request_id] = (real * self.block_bytes, time.monotonic())
+                    self.wan[gen.request_id] = (real * self.block_bytes, self._now())
                     if redo.pipeline == "P-RLD-MD":
                         dec = replace(redo, reason=f"late (the view was stale): {redo.reason}")
                         info.pipeline, info.reason = dec.pipeline, dec.reason
@@ -296,7 +306,7 @@ class Orchestrator:
             # On the relay pipelines RLD's stream starts at once, so P's first token goes now.
             held = dec.pipeline == "P-MD" and not pol.stream_first_token and pre.finish_reason is None
             if not held:
-                info.ttft_s = time.monotonic() - st.t0
+                info.ttft_s = self._since(st.t0)
                 yield [pre.first_token]
             if pre.finish_reason is not None:
                 st.finish_reason, st.decoder_done = pre.finish_reason, True
@@ -317,7 +327,7 @@ class Orchestrator:
                 async for toks in inner:
                     if held:
                         toks, held = [pre.first_token, *toks], False
-                        info.ttft_s = time.monotonic() - st.t0
+                        info.ttft_s = self._since(st.t0)
                     yield toks
             prepared = False  # MD released the request itself (decode/absorb ended it)
         finally:
@@ -332,7 +342,7 @@ class Orchestrator:
         senders know what every router sent), plus this router's transfers decided since the
         newest report was asked for, draining at a fair share (a transfer whose KV landed leaves
         at once). Any number of routers sees the same line, up to one view period."""
-        now = time.monotonic()
+        now = self._now()
         # a transfer decided before every live sender's last report was asked for is in one of
         # them by now (which Prefill replica took it is Serve's choice); a sender with no report
         # yet keeps them all
@@ -357,7 +367,7 @@ class Orchestrator:
 
     def _kv_landed(self, st: RequestState) -> None:
         if st.info.kv_ready_s is None:
-            st.info.kv_ready_s = time.monotonic() - st.t0
+            st.info.kv_ready_s = self._since(st.t0)
         self.wan.pop(st.gen.request_id, None)
 
     # ------------------------------------------------------------ pipelines
@@ -544,7 +554,7 @@ class Orchestrator:
     async def _refresh_view(self, i: MDKey | None) -> None:
         known = None if i is None else self.index.known_version(i)
         try:
-            view = await asyncio.wait_for(self.b.md_view(i, known), timeout=min(5.0, self.timeout))
+            view = await asyncio.wait_for(self.b.md_view(i, known), timeout=min(self.cfg.real_s(5.0), self.timeout))
         except Exception:  # noqa: BLE001 - an unreachable MD is skipped while another can serve
             if i is not None:
                 self.index.failed(i)
@@ -587,9 +597,9 @@ class Orchestrator:
                 t.cancel()
 
     async def _refresh_line(self, i: Hashable) -> None:
-        sent = time.monotonic()
+        sent = self._now()
         try:
-            rep = await asyncio.wait_for(self.b.line_state(i), timeout=min(5.0, self.timeout))
+            rep = await asyncio.wait_for(self.b.line_state(i), timeout=min(self.cfg.real_s(5.0), self.timeout))
         except Exception:  # noqa: BLE001 - a lost Prefill replica's report ages out with it
             return
         self.line_reports[rep.replica] = (rep, sent)
@@ -676,7 +686,7 @@ class Orchestrator:
             async with contextlib.aclosing(self._from_md_recovering(st, md)) as from_md:
                 async for toks in from_md:
                     if first:
-                        st.info.handoff_s = time.monotonic() - t_handoff
+                        st.info.handoff_s = self._since(t_handoff)
                         first = False
                     yield toks
         finally:

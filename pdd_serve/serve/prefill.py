@@ -17,7 +17,7 @@ from pdd_serve.engine.engine import Sequence
 from pdd_serve.engine.kv import KVBlocks, blocks_needed, num_full_blocks
 from pdd_serve.engine.scheduler import EngineWorker
 from pdd_serve.policy import wan_backlog
-from pdd_serve.serve.common import load_engine, logger, placement
+from pdd_serve.serve.common import emulation_stats, load_engine, logger, placement
 from pdd_serve.serve.messages import KVTarget, LineState, PrefillRequest, PrefillResult, ReplicaStats
 from pdd_serve.serve.pinning import ROUTER_CLASS, this_replica
 from pdd_serve.transport.link import BandwidthEstimator
@@ -84,11 +84,15 @@ class _BlockFeed:
 class Prefill:
     def __init__(self, cfg: PDDConfig) -> None:
         self.cfg = cfg
-        self.engine = load_engine(cfg.engine_for("prefill"), enable_prefix_cache=True, threads=2)
+        self.engine = load_engine(cfg.engine_for("prefill"), enable_prefix_cache=True, threads=2,
+                                  emulation=cfg.emulation_for("prefill"))
         self.worker = EngineWorker(self.engine, cfg.engine_for("prefill").max_batch)
         self.where = placement()
         # one link per replica: all of this replica's transfers share its bandwidth
-        self.link = cfg.link.build(self.engine.layout.bytes_per_token)
+        self.link = cfg.link_model(self.engine.layout.bytes_per_token)
+        # emulated: the line carries the emulated model's KV (this many bytes per real byte), on the
+        # emulated clock; every byte count and time below that the routers plan with is in those units
+        self.kv_scale = cfg.kv_scale(self.engine.layout.bytes_per_token)
         # the live line rate the router plans with: transfers that had the line to themselves
         self.bw = BandwidthEstimator(initial_bps=self.link.bandwidth_bps)
         self.sending = 0  # transfers on the line now (sender threads: under _send_lock)
@@ -111,8 +115,8 @@ class Prefill:
         if feed is not None:
             t = preq.md_target
             end = blocks_needed(seq.prompt_len, self.engine.block_size) if t.end_block is None else t.end_block
-            self.on_line[(req.request_id, id(feed))] = (max(0, end - t.start_block) * self.engine.layout.block_bytes,
-                                                       time.monotonic())
+            self.on_line[(req.request_id, id(feed))] = (
+                max(0, end - t.start_block) * self.engine.layout.block_bytes * self.kv_scale, self.link.now())
             self._start_sender(req.request_id, feed)
         t0 = time.perf_counter()
         kv_ref = None
@@ -134,8 +138,9 @@ class Prefill:
             raise
         finally:
             self.prefilling -= 1
-        wan = feed.nbytes if feed is not None else 0
-        return PrefillResult(first, finish, seq.prefix_hit_tokens, time.perf_counter() - t0, wan, kv_ref, self.bw.bps)
+        wan = int(feed.nbytes * self.kv_scale) if feed is not None else 0
+        return PrefillResult(first, finish, seq.prefix_hit_tokens, (time.perf_counter() - t0) / self.cfg.time_scale,
+                             wan, kv_ref, self.bw.bps)
 
     def _prefill_once(self, seq: Sequence, on_chunk: Callable[[Sequence], None],
                       to_relay: bool) -> tuple[int, str | None, KVBlocks | None]:
@@ -163,13 +168,14 @@ class Prefill:
                 client = KVFlightClient(feed.target.flight_location, fl.token, layout=self.engine.layout,
                                         tls_root_cert=fl.tls_root_cert, override_hostname=fl.tls_server_name,
                                         mac_key=fl.mac_key, batch_blocks=fl.batch_blocks, parallel_streams=fl.streams,
-                                        deadline_s=fl.deadline_s, link=self.link if self.link.config.paced else None)
+                                        deadline_s=self.cfg.real_s(fl.deadline_s),
+                                        link=self.link if self.link.config.paced else None)
                 stats = client.push(request_id, iter(feed))
                 alone = alone and self.transfers["started"] == started  # none began meanwhile
                 self.transfers["done"] += 1
                 self.transfers["bytes"] += stats.bytes_sent
-                if alone and stats.bytes_sent >= BW_SAMPLE_MIN_BYTES:
-                    self.bw.observe(stats.bytes_sent, stats.seconds)
+                if alone and stats.bytes_sent * self.kv_scale >= BW_SAMPLE_MIN_BYTES:  # emulated bytes, seconds
+                    self.bw.observe(stats.bytes_sent * self.kv_scale, stats.seconds / self.cfg.time_scale)
             except UnknownRequestError:  # MD released it first (cancelled, or RLD finished it)
                 self.transfers["dropped"] += 1
             except SenderAborted:  # prefill failed: MD was told (the client's `abort`)
@@ -189,7 +195,7 @@ class Prefill:
         leaves the moment its push ends; meanwhile it drains at a fair share of the line)."""
         flows = list(self.on_line.values())
         bps = self.bw.bps
-        left = wan_backlog(flows, time.monotonic(), float("inf") if bps is None else bps / 8)
+        left = wan_backlog(flows, self.link.now(), float("inf") if bps is None else bps / 8)
         return LineState(self.replica, tuple(b for b in left if b > 0), bps)
 
     def record_routing_stats(self) -> dict:
@@ -215,4 +221,5 @@ class Prefill:
     def stats(self) -> ReplicaStats:
         e = self.engine
         return ReplicaStats("prefill", self.worker.num_running, e.pool.num_free, e.pool.num_blocks,
-                            e.cache.num_blocks, e.cache.stats.hit_rate, {**self.transfers, **self.where})
+                            e.cache.num_blocks, e.cache.stats.hit_rate,
+                            {**self.transfers, **emulation_stats(e), **self.where})

@@ -15,7 +15,7 @@ from ray import serve
 from pdd_serve.config import PDDConfig
 from pdd_serve.engine.scheduler import EngineWorker
 from pdd_serve.metrics import ReplicaGauges
-from pdd_serve.serve.common import load_engine, logger, placement
+from pdd_serve.serve.common import emulation_stats, load_engine, logger, placement
 from pdd_serve.serve.messages import RelayRequest, RelaySaturated, ReplicaStats, TokenChunk
 from pdd_serve.serve.pinning import ROUTER_CLASS
 
@@ -39,7 +39,8 @@ class Relay:
     def __init__(self, cfg: PDDConfig) -> None:
         self.cfg = cfg
         # no prefix cache: RLD receives every prompt's KV from P; it holds KV only while it relays
-        self.engine = load_engine(cfg.engine_for("relay"), enable_prefix_cache=False)
+        self.engine = load_engine(cfg.engine_for("relay"), enable_prefix_cache=False,
+                                  emulation=cfg.emulation_for("relay"))
         self.worker = EngineWorker(self.engine, cfg.engine_for("relay").max_batch)
         self.where = placement()
         self.tokens_generated = 0
@@ -147,4 +148,4 @@ class Relay:
         return ReplicaStats("relay", len(self.live), e.pool.num_free, e.pool.num_blocks,
                             extra={"tokens_generated": self.tokens_generated, "live": sorted(self.live),
                                    "peak_live": self.peak_live, "max_running": self.max_running,
-                                   "preemptions": e.preemptions, **self.where})
+                                   "preemptions": e.preemptions, **emulation_stats(e), **self.where})

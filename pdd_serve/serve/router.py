@@ -129,14 +129,16 @@ class Router:
         self.max_model_len = min(cfg.model.max_model_len or margs.max_position_embeddings, margs.max_position_embeddings)
         dtype = cfg.model.dtype or ("float32" if cfg.model.device == "cpu" else "bfloat16")
         self.layout = KVLayout(margs.num_layers, margs.num_kv_heads, margs.head_dim, cfg.model.block_size, dtype)
-        link = cfg.link.build(self.layout.bytes_per_token)
+        link = cfg.link_model(self.layout.bytes_per_token)
         bps = link.bandwidth_bps  # the configured line until Prefill reports a measured rate
         est = LinkEstimate(float("inf") if bps is None else bps / 8, link.config.one_way_latency_s)
         self.backends = ServeBackends(cfg, prefill, relay, md, link)
-        self.orch = Orchestrator(cfg, self.backends, self.layout.block_bytes, est)
+        # the link counts KV at the emulated model's size when the graph emulates (cfg.kv_scale)
+        self.orch = Orchestrator(cfg, self.backends, self.layout.block_bytes * cfg.kv_scale(self.layout.bytes_per_token),
+                                 est)
         self._watch: Any = None  # the background view of every MD (started with the first request)
         self._parser = ThreadPoolExecutor(1, thread_name_prefix="pdd-parse")
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(cfg.time_scale)
         self.in_flight = 0
         self.created = int(time.time())
 
@@ -257,9 +259,10 @@ class Router:
             async for toks in gen:
                 now = time.monotonic()
                 if t_prev is None:
-                    self.metrics.ttft.observe(now - st.t0, tags={"pipeline": st.info.pipeline})
+                    self.metrics.ttft.observe((now - st.t0) / self.cfg.time_scale, tags={"pipeline": st.info.pipeline})
                 else:
-                    self.metrics.tpot.observe((now - t_prev) / len(toks), tags={"pipeline": st.info.pipeline})
+                    self.metrics.tpot.observe((now - t_prev) / len(toks) / self.cfg.time_scale,
+                                              tags={"pipeline": st.info.pipeline})
                 t_prev = now
                 for t in toks:
                     delta = detok.push(t)

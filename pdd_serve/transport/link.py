@@ -136,10 +136,17 @@ class LinkModel:
     """
 
     def __init__(self, config: LinkConfig | None = None, *, clock: Callable[[], float] = time.monotonic,
-                 **fields: object) -> None:
+                 time_scale: float = 1.0, byte_scale: float = 1.0, **fields: object) -> None:
         if config is not None and fields:
             raise TypeError("pass a LinkConfig or its fields, not both")
+        if not (time_scale > 0 and byte_scale > 0):
+            raise ValueError(f"time_scale and byte_scale must be > 0, got {time_scale}, {byte_scale}")
         self.config = config if config is not None else LinkConfig(**fields)  # type: ignore[arg-type]
+        # emulation (pdd_serve/emulation.py): the link runs on the emulated clock (real seconds /
+        # time_scale), so latency, epochs, stalls and rates are the emulated line's, and each real
+        # KV byte paced stands for `byte_scale` bytes of the emulated model's KV
+        self.time_scale = float(time_scale)
+        self.byte_scale = float(byte_scale)
         c = self.config
         self._trace = c.trace or (load_trace(c.trace_path) if c.jitter == "trace" and c.trace_path else ())
         if c.jitter == "trace" and c.trace_kind == "throughput" and not any(v > 0 for v in self._trace):
@@ -156,7 +163,8 @@ class LinkModel:
     # ------------------------------------------------------------ presets
 
     @classmethod
-    def preset(cls, name: str, kv_bytes_per_token: int | None = None, **overrides: object) -> LinkModel:
+    def preset(cls, name: str, kv_bytes_per_token: int | None = None, *, time_scale: float = 1.0,
+               byte_scale: float = 1.0, **overrides: object) -> LinkModel:
         """A named link: same_dc (unpaced), wan_10g, wan_100g, pdd_report.
 
         `pdd_report` stands in for PDD.md's cross-DC line whose KV transfers fluctuate 1-20 s:
@@ -181,7 +189,7 @@ class LinkModel:
                 raise ValueError(f"kv_bytes_per_token must be > 0, got {kv_bytes_per_token}")
             if cfg.bandwidth_bps is not None:
                 cfg = replace(cfg, bandwidth_bps=cfg.bandwidth_bps * kv_bytes_per_token / REFERENCE_KV_BYTES_PER_TOKEN)
-        return cls(replace(cfg, **overrides) if overrides else cfg)
+        return cls(replace(cfg, **overrides) if overrides else cfg, time_scale=time_scale, byte_scale=byte_scale)
 
     # ------------------------------------------------------------ the pure model
 
@@ -270,8 +278,12 @@ class LinkModel:
     # ------------------------------------------------------------ pacing real streams
 
     def now(self) -> float:
-        """Link time: seconds since this object was made (or `reset`)."""
-        return self._clock() - self._origin
+        """Link time: (emulated) seconds since this object was made (or `reset`)."""
+        return (self._clock() - self._origin) / self.time_scale
+
+    def real_latency_s(self) -> float:
+        """The one-way delay a message sent now waits, in real seconds (cross-site control calls)."""
+        return self.latency_at(self.now()) * self.time_scale
 
     def reset(self) -> None:
         with self._lock:
@@ -279,7 +291,7 @@ class LinkModel:
             self._tat = None
             self._epoch = next(_EPOCHS)  # streams' arrival times were on the old clock
 
-    def _reserve(self, nbytes: int, chained: bool = False) -> float:
+    def _reserve(self, nbytes: float, chained: bool = False) -> float:
         """Book `nbytes` of the calling stream on the line; seconds it must wait so they 'arrive'
         on time. The line carries one stream's bytes after another's (bandwidth is shared)."""
         if not self.config.paced:
@@ -307,11 +319,11 @@ class LinkModel:
         return [q] * (nbytes // q) + ([nbytes % q] if nbytes % q else [])
 
     def pace_sync(self, nbytes: int) -> float:
-        """Block until `nbytes` may go, a quantum at a time so that concurrent streams share the
-        line; returns the seconds waited."""
+        """Block until `nbytes` (real bytes) may go, a quantum at a time so that concurrent streams
+        share the line; returns the real seconds waited."""
         waited = 0.0
         for i, q in enumerate(self._quanta(nbytes)):
-            wait = self._reserve(q, chained=i > 0)
+            wait = self._reserve(q * self.byte_scale, chained=i > 0) * self.time_scale
             if wait > 0:
                 time.sleep(wait)
                 waited += wait
@@ -320,7 +332,7 @@ class LinkModel:
     async def pace(self, nbytes: int) -> float:
         waited = 0.0
         for i, q in enumerate(self._quanta(nbytes)):
-            wait = self._reserve(q, chained=i > 0)
+            wait = self._reserve(q * self.byte_scale, chained=i > 0) * self.time_scale
             if wait > 0:
                 await asyncio.sleep(wait)
                 waited += wait

@@ -1,0 +1,205 @@
+"""Emulated accelerators: the cost model's arithmetic, the step pacer (fake clock, never a timed
+test), overrun per step kind, slow motion reaching the link and the timeouts, config refusals with
+the field named, and greedy output unchanged with pacing on."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdd_serve import costmodel
+from pdd_serve.config import ConfigError, load_config
+from pdd_serve.emulation import Emulation, StepPacer, merge_stats, overrun_warning
+from pdd_serve.transport.link import LinkModel
+
+CAT = costmodel.load_catalog()
+L70 = CAT.model("llama-3-70b")
+H100 = CAT.chip("h100-sxm")
+
+EMU = {"model": "llama-3-70b", "time_scale": 20, "a": {"chip": "h100-sxm", "tp": 4}, "b": {"chip": "h20", "tp": 8}}
+
+
+def _cross(**extra) -> dict:
+    return {"link": {"preset": "wan_10g", "jitter": "constant"}, "emulate": EMU, **extra}
+
+
+# ---------------------------------------------------------------- the roofline, by hand
+
+
+def test_llama_70b_shape_from_its_heads() -> None:
+    assert L70.kv_bytes_per_token == 80 * 8 * 128 * 2 * 2 == 327_680  # 320 KiB per token, bf16
+    assert L70.attn_dim == 64 * 128
+
+
+def test_prefill_step_of_70b_on_8_h100_by_hand() -> None:
+    n, tp = 2048, 8
+    flops = 2 * 70.6e9 * n + 4 * 80 * 8192 * (n * (n + 1) / 2)  # GEMMs + causal attention
+    nbytes = 70.6e9 * 2 + 327_680 * n  # weights once + the chunk's KV written
+    compute = flops / (tp * 989e12 * 0.65)
+    memory = nbytes / (tp * 3350e9 * 0.72)
+    allreduce = 2 * 80 * n * 8192 * 2 * 2 * (tp - 1) / tp / 450e9
+    want = max(compute, memory) + 0.002 + allreduce
+    assert compute > memory  # a 2K-token chunk is compute-bound
+    assert costmodel.prefill_time(H100, L70, tp, [(n, 0)]) == pytest.approx(want, rel=1e-12)
+
+
+def test_decode_step_of_70b_on_8_h100_by_hand() -> None:
+    batch, ctx, tp = 32, 32 * 2048, 8
+    flops = 2 * 70.6e9 * batch + 4 * 80 * 8192 * (ctx + batch)
+    nbytes = 70.6e9 * 2 + 327_680 * ctx  # all weights + every sequence's KV read
+    compute = flops / (tp * 989e12 * 0.65)
+    memory = nbytes / (tp * 3350e9 * 0.72)
+    allreduce = 2 * 80 * batch * 8192 * 2 * 2 * (tp - 1) / tp / 450e9
+    assert memory > compute  # decode is bandwidth-bound
+    assert costmodel.decode_step_time(H100, L70, tp, batch, ctx) == pytest.approx(
+        max(compute, memory) + 0.002 + allreduce, rel=1e-12)
+
+
+def test_kv_capacity_is_hbm_minus_weights() -> None:
+    want = int((8 * 80e9 * 0.9 - 70.6e9 * 2) // 327_680)
+    assert costmodel.kv_capacity_tokens(H100, L70, 8, 0.1) == want
+    with pytest.raises(costmodel.CostModelError, match="does not fit"):
+        costmodel.check_fits(H100, L70, 1, 0.1)
+
+
+# ---------------------------------------------------------------- the pacer (fake clock)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+        self.slept: list[float] = []
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.slept.append(s)
+        self.t += s
+
+
+def test_pacer_holds_each_step_to_its_modeled_time_in_slow_motion() -> None:
+    clk = FakeClock()
+    p = StepPacer(Emulation(H100, L70, 8, time_scale=10), clock=clk, sleep=clk.sleep)
+    t0 = p.begin()
+    clk.t += 0.05  # the real forward
+    p.end("decode", t0, 0.02)  # modeled 20 ms -> 200 ms real
+    assert clk.t == pytest.approx(0.2) and clk.slept == [pytest.approx(0.15)]
+    st = p.stats()
+    assert st["decode_steps"] == 1 and st["decode_overruns"] == 0 and st["decode_modeled_s"] == pytest.approx(0.02)
+
+
+def test_overrun_is_counted_per_step_kind_and_never_slept_away() -> None:
+    clk = FakeClock()
+    p = StepPacer(Emulation(H100, L70, 8, time_scale=2), clock=clk, sleep=clk.sleep)
+    for real, modeled, kind in [(0.5, 0.1, "prefill"), (0.01, 0.1, "prefill"), (0.01, 0.1, "decode"),
+                                (0.01, 0.1, "decode"), (0.01, 0.1, "decode"), (0.3, 0.1, "decode")]:
+        t0 = p.begin()
+        clk.t += real
+        p.end(kind, t0, modeled)
+    st = p.stats()
+    assert (st["prefill_steps"], st["prefill_overruns"]) == (2, 1)
+    assert (st["decode_steps"], st["decode_overruns"]) == (4, 1)
+    assert st["overrun_share_prefill"] == 0.5 and st["overrun_share_decode"] == 0.25
+    assert st["prefill_overrun_s"] == pytest.approx(0.3)  # 0.5 real against 0.2 modeled-in-real
+    assert len(clk.slept) == 4  # the overrun steps slept nothing
+    assert "raise time_scale" in overrun_warning(st, 2)
+    merged = merge_stats([st, st])
+    assert merged["decode_steps"] == 8 and merged["overrun_share_decode"] == 0.25
+
+
+def test_engine_paces_every_forward_and_keeps_greedy_tokens(model_dir) -> None:
+    from pdd_serve.engine.engine import Engine
+
+    ref = Engine.from_pretrained(model_dir)
+    prompt = [(i * 7 + 3) % 500 + 10 for i in range(70)]
+    want = ref.generate(prompt, 12)
+    eng = Engine.from_pretrained(model_dir)
+    clk = FakeClock()
+    emu = Emulation(H100, L70, 8, time_scale=1000)
+    eng.pacer = StepPacer(emu, clock=clk, sleep=clk.sleep)
+    assert eng.generate(prompt, 12) == want
+    st = eng.pacer.stats()
+    assert st["prefill_steps"] == 1 and st["decode_steps"] == 11
+    # the modeled times are the cost model's for exactly these steps
+    assert st["prefill_modeled_s"] == pytest.approx(emu.prefill_s(70, 0))
+    assert st["decode_modeled_s"] == pytest.approx(sum(emu.decode_s(1, 70 + k) for k in range(11)))
+    assert clk.slept[0] == pytest.approx(emu.prefill_s(70, 0) * 1000)
+
+
+# ---------------------------------------------------------------- slow motion and emulated bytes
+
+
+def test_time_scale_reaches_link_pacing_latency_and_timeouts(monkeypatch) -> None:
+    import pdd_serve.transport.link as link_mod
+
+    clk = FakeClock()
+    monkeypatch.setattr(link_mod.time, "sleep", clk.sleep)
+    # 100 MB/s line, 5 ms one way; each real byte stands for 10 emulated ones; slow motion x4
+    link = LinkModel(clock=clk, time_scale=4, byte_scale=10, bandwidth_bps=8e8, one_way_latency_s=0.005)
+    link.pace_sync(1_000_000)  # 10 MB emulated: 5 ms + 100 ms emulated = 420 ms real
+    assert clk.t == pytest.approx(4 * (0.005 + 0.1), rel=1e-6)
+    assert link.now() == pytest.approx(0.105, rel=1e-6)  # the link clock is emulated
+    assert link.real_latency_s() == pytest.approx(0.02)  # control messages: 5 ms x 4
+
+    cfg = load_config(_cross(policy={"kv_wait_timeout_s": 3.0}))
+    assert cfg.time_scale == 20 and cfg.real_s(cfg.policy.kv_wait_timeout_s) == 60.0
+    real_bpt = 2048
+    lm = cfg.link_model(real_bpt)
+    assert lm.time_scale == 20 and lm.byte_scale == pytest.approx(327_680 / 2048)
+    assert lm.bandwidth_bps == 10e9  # the line's own rate: the bytes are already the emulated model's
+
+
+def test_orchestrator_scales_its_cross_site_waits_once() -> None:
+    from pdd_serve.policy import LinkEstimate
+    from pdd_serve.serve.orchestrator import Orchestrator
+
+    cfg = load_config(_cross(policy={"kv_wait_timeout_s": 2.0}))
+    orch = Orchestrator(cfg, backends=None, block_bytes=1, link=LinkEstimate(1e9, 0.01))
+    assert orch.timeout == 40.0
+    unemulated = Orchestrator(load_config({}), backends=None, block_bytes=1, link=LinkEstimate(1e9, 0.0))
+    assert unemulated.timeout == 30.0
+
+
+def test_unemulated_graph_is_unchanged() -> None:
+    cfg = load_config({"link": "wan_10g"})
+    assert not cfg.emulated and cfg.time_scale == 1.0 and cfg.kv_scale(2048) == 1.0
+    assert cfg.emulation_for("prefill") is None
+    lm = cfg.link_model(2048)
+    assert lm.time_scale == 1.0 and lm.bandwidth_bps == pytest.approx(10e9 * 2048 / 50_000)
+
+
+def test_emulation_resolves_role_over_site_over_shared() -> None:
+    cfg = load_config(_cross(emulate={**EMU, "relay": {"chip": "h100-sxm", "tp": 8}}))
+    p, r, md = (cfg.emulation_for(x) for x in ("prefill", "relay", "main_decode"))
+    assert (p.chip.name, p.tp) == ("h100-sxm", 4)
+    assert (r.chip.name, r.tp) == ("h100-sxm", 8)
+    assert (md.chip.name, md.tp, md.time_scale) == ("h20", 8, 20.0)
+    assert md.model.name == "llama-3-70b"
+
+
+@pytest.mark.parametrize("emulate, field", [
+    ({**EMU, "b": {"chip": "h21", "tp": 8}}, "emulate.b.chip: unknown chip 'h21'"),
+    ({**EMU, "model": "llama-9"}, "emulate.model: unknown model shape 'llama-9'"),
+    ({**EMU, "a": {"chip": "h100-sxm", "tp": 3}}, "emulate.a.tp: tp 3 does not divide"),
+    ({**EMU, "a": {"chip": "h100-sxm", "tp": 1}}, "emulate.a.chip: llama-3-70b (141 GB of weights) on 1 x h100-sxm"),
+    ({**EMU, "time_scale": 0}, "emulate: time_scale must be a number > 0"),
+    ({**EMU, "time_scale": -2}, "emulate: time_scale must be a number > 0"),
+    ({**EMU, "b": {"chip": "h20", "tp": 8, "time_scale": 5}}, "time_scale must be one for the whole graph"),
+    ({"model": "llama-3-70b", "a": {"chip": "h100-sxm", "tp": 4}}, "the main_decode engine has no chip"),
+    ({**EMU, "c": {"chip": "h20"}}, "emulate.c is neither a role"),
+    ({**EMU, "b": {"chip": "h20", "tp": 8, "model": "llama-3-8b"}}, "emulate.model must be one for the whole graph"),
+    ({**EMU, "b": {"chip": "h20", "tp": 8, "bogus": 1}}, "unknown key(s) emulate.b.bogus"),
+    ([1, 2], "emulate must be a mapping"),
+])
+def test_bad_emulate_block_is_refused_at_load_with_the_field_named(emulate, field) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(_cross(emulate=emulate))
+    assert field in str(e.value)
+
+
+def test_inline_model_shape() -> None:
+    shape = {"name": "dense-13b", "params_b": 13, "layers": 40, "hidden": 5120, "heads": 40, "kv_heads": 40,
+             "head_dim": 128}
+    cfg = load_config(_cross(emulate={**EMU, "model": shape, "a": {"chip": "h100-sxm", "tp": 1},
+                                      "b": {"chip": "h20", "tp": 1}}))
+    assert cfg.emulation_for("main_decode").kv_bytes_per_token == 40 * 40 * 128 * 2 * 2
