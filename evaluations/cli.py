@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from typing import Any
 
@@ -212,6 +213,12 @@ def _add_compare(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stream-first-token", action="store_true",
                    help="every graph streams P's first token at once (default: the PD convention, the first "
                         "token leaves with the decoder's stream); one convention for all graphs either way")
+    g = p.add_argument_group("emulated accelerators")
+    g.add_argument("--emulate", default=None, metavar="SCENARIO",
+                   help="run every graph on emulated chips: real tokens, each engine step paced to the scenario's "
+                        "model on its chips, KV on the line at the emulated size, in slow motion "
+                        "(evaluations/scenarios/NAME.yaml or a path; e.g. emulated_70b). The scenario gives the "
+                        "link, the SLA, the workload's shape and time_scale; every figure printed is emulated")
 
 
 def _run_compare(args: argparse.Namespace) -> int:
@@ -220,6 +227,22 @@ def _run_compare(args: argparse.Namespace) -> int:
     from evaluations.harness import DEFAULT_GRAPHS, SHAPED_GRAPHS, EvalError
     from pdd_serve.cluster import ClusterError
 
+    scenario = None
+    if args.emulate:
+        from evaluations.emulated import ScenarioError, load_scenario
+
+        try:
+            scenario = load_scenario(args.emulate)
+        except ScenarioError as e:
+            raise _usage(f"pdd compare: error: {e}") from None
+        if args.shaped_link:
+            raise _usage("pdd compare: error: --emulate paces the link in slow motion; drop --shaped-link")
+        for k, v in scenario.workload.items():  # the scenario's workload shape, over the flags' defaults
+            if not hasattr(args, k):
+                raise _usage(f"pdd compare: error: {scenario.path}: workload.{k}: unknown agentic workload setting")
+            setattr(args, k, v)
+        args.link = json.dumps(scenario.link)
+        args.sla_ttft, args.sla_tpot = scenario.sla["ttft_s"], scenario.sla["tpot_s"]
     workload = _workload(args)
     default = SHAPED_GRAPHS if args.shaped_link else DEFAULT_GRAPHS
     graphs = tuple(g.strip() for g in args.graphs.split(",") if g.strip()) if args.graphs else default
@@ -229,7 +252,11 @@ def _run_compare(args: argparse.Namespace) -> int:
             if kw["env"].use_running_cluster:
                 raise ValueError("--shaped-link starts its own cluster: drop --no-cluster")
             kw["env"] = dataclasses.replace(kw["env"], shaped_link=args.shaped_link)
-        cfg = CompareConfig(graphs=graphs, repeats=args.repeats, stream_first_token=args.stream_first_token, **kw)
+        if scenario is not None:
+            kw["load"] = dataclasses.replace(kw["load"], time_scale=scenario.time_scale)
+            kw["experiment"] = args.experiment or "pdd-compare-emulated"
+        cfg = CompareConfig(graphs=graphs, repeats=args.repeats, stream_first_token=args.stream_first_token,
+                            emulate=scenario, **kw)
     except ValueError as e:
         raise _usage(f"pdd compare: error: {e}") from None
     try:

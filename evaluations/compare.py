@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from evaluations.cost import DEFAULT_CATALOG, bcr, hardware_cost, load_catalog
 from evaluations.harness import (
     DEFAULT_GRAPHS,
@@ -68,6 +70,7 @@ class CompareConfig:
     out_dir: str | None = None  # local copies of plots/tables; default .pdd/eval/<experiment>-<time>
     progress: bool = True
     stream_first_token: bool = False  # one first-token convention for every graph (default: PD's)
+    emulate: Any = None  # an EmulatedScenario (evaluations/emulated.py): emulated chips, slow motion
 
     def __post_init__(self) -> None:
         if not self.graphs:
@@ -80,6 +83,7 @@ class CompareConfig:
 class GraphResult:
     graph: PreparedGraph
     runs: list[list[RequestRecord]] = field(default_factory=list)  # one list per repeat
+    pacer: list[dict[str, Any]] = field(default_factory=list)  # emulated: each run's pacer counts
 
     @property
     def records(self) -> list[RequestRecord]:
@@ -237,6 +241,122 @@ def headline(summaries: Mapping[str, Mapping[str, Any]], identical: bool, mismat
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}
 
 
+# The PDD report's margins, the goal an emulated comparison is read against (PDD.md)
+REPORT_MARGINS = {"p90_ttft_vs_cross_dc": ("<=", 0.5), "goodput_vs_cross_dc_naive": (">=", 1.278),
+                  "bcr_gain_vs_same_dc": (">=", 0.30)}
+
+
+def emulated_headline(results: Mapping[str, GraphResult], summaries: Mapping[str, dict[str, Any]],
+                      cfg: CompareConfig) -> dict[str, Any]:
+    """The emulated keys of the JSON line: what was emulated, each ratio's median over repeats and
+    its spread, BCR on the emulated chips' prices, and the pacers' overrun per step kind."""
+    import statistics
+
+    from evaluations.emulated import cost_per_hour, repeat_ratios, role_chips, spread
+    from pdd_serve.emulation import OVERRUN_WARN_SHARE, merge_stats, overrun_warning
+
+    sc = cfg.emulate
+    for name, res in results.items():
+        c = cost_per_hour(res.graph.cfg)
+        summaries[name]["emulated_cost_per_hour_usd"] = c
+        summaries[name]["bcr_emulated"] = summaries[name]["goodput_rps"] / c * 3600 if c else None
+    per_repeat: list[dict[str, dict[str, Any]]] = []
+    for i in range(cfg.repeats):
+        rep = {}
+        for name, res in results.items():
+            if i < len(res.runs):
+                s = summarize_run(res.runs[i], cfg.sla)
+                c = cost_per_hour(res.graph.cfg)
+                s["bcr_emulated"] = s["goodput_rps"] / c * 3600 if c else None
+                rep[name] = s
+        per_repeat.append(rep)
+    out: dict[str, Any] = {"emulated": True, "scenario": sc.name, "time_scale": sc.time_scale,
+                           "repeats": cfg.repeats, "emulated_model": sc.model,
+                           "chips": {n: role_chips(r.graph.cfg) for n, r in results.items()},
+                           "emulated_cost_per_hour": {n: cost_per_hour(r.graph.cfg) for n, r in results.items()}}
+    for k, vals in repeat_ratios(per_repeat, PDD, CROSS, NAIVE, SAME).items():
+        vs = [v for v in vals if v is not None]
+        out[k] = statistics.median(vs) if vs else None
+        out[f"{k}_spread"] = spread(vs)
+        out[f"{k}_per_repeat"] = vals
+    stats = merge_stats([p["all"] for r in results.values() for p in r.pacer if "all" in p])
+    for kind in ("prefill", "decode"):
+        out[f"emulation_overrun_share_{kind}"] = stats.get(f"overrun_share_{kind}")
+        out[f"emulation_{kind}_steps"] = stats.get(f"{kind}_steps")
+    out["emulation_overrun_ok"] = all((stats.get(f"overrun_share_{k}") or 0) <= OVERRUN_WARN_SHARE
+                                      for k in ("prefill", "decode"))
+    warn = overrun_warning(stats, sc.time_scale)
+    if warn:
+        log_err(f"WARNING: {warn}")
+    out["emulation_overrun_warning"] = warn
+    # Slow motion divides the real software work (HTTP, Serve calls, the Router, asyncio) by
+    # time_scale; on real chips it is not smaller. Measured on same-DC P->MD requests (no link):
+    # TTFT less the modeled prefill and first decode step, in REAL ms
+    over = software_overhead_real_s(results.get(SAME), sc.time_scale)
+    out["software_overhead_ms_p50"] = None if over is None else over * 1e3
+    floor = summaries.get(PDD, {}).get("ttft_floor_p50_s")
+    p50 = summaries.get(PDD, {}).get("ttft_p50_s")
+    if over is not None and floor and p50 is not None:
+        # what PDD's P50 would be with the overhead at full size, against the physical floor
+        out["p50_ttft_vs_floor_real_overhead"] = (p50 + over * (1 - 1 / sc.time_scale)) / floor
+    out["report_margins"] = {k: f"{op} {v}" for k, (op, v) in REPORT_MARGINS.items()}
+    return out
+
+
+def software_overhead_real_s(res: GraphResult | None, time_scale: float) -> float | None:
+    """Median real seconds a same-DC P->MD request spends outside the modeled chip time before its
+    first token: TTFT minus the cost model's prefill (256-token chunks past the prefix hit) and
+    one decode step, times time_scale."""
+    import statistics
+
+    from pdd_serve.serve.prefill import PREFILL_CHUNK_TOKENS
+
+    if res is None:
+        return None
+    p, md = res.graph.cfg.emulation_for("prefill"), res.graph.cfg.emulation_for("main_decode")
+    out = []
+    for r in res.records:
+        if r.error or r.ttft_s is None or r.pdd.get("pipeline") != "P-MD":
+            continue
+        n = r.prompt_tokens
+        done = min(n - 1, int((r.pdd.get("prefix_hit_p") or 0.0) * n))
+        modeled = 0.0
+        while done < n:
+            step = min(PREFILL_CHUNK_TOKENS, n - done)
+            modeled += p.prefill_s(step, done)
+            done += step
+        modeled += md.decode_s(1, n)
+        out.append((r.ttft_s - modeled) * time_scale)
+    return statistics.median(out) if out else None
+
+
+def add_sim_predictions(head: dict[str, Any], sim: Mapping[str, Any]) -> None:
+    """The simulator's replay of the same requests beside the measurement: `sim_<ratio>` for each
+    headline ratio and the largest relative error over P50/P90 TTFT and goodput of every graph
+    with goodput (where goodput is zero, SLA attainment within 0.05 absolute instead)."""
+    pred = {g: v["predicted"] for g, v in sim.items()}
+
+    def r(a: Any, b: Any) -> float | None:
+        return a / b if a is not None and b else None
+
+    p, c, n, s = (pred.get(k, {}) for k in (PDD, CROSS, NAIVE, SAME))
+    head["sim_p90_ttft_vs_cross_dc"] = r(p.get("ttft_p90"), c.get("ttft_p90"))
+    head["sim_goodput_vs_cross_dc"] = r(p.get("goodput_rps"), c.get("goodput_rps"))
+    head["sim_goodput_vs_cross_dc_naive"] = r(p.get("goodput_rps"), n.get("goodput_rps"))
+    costs = head.get("emulated_cost_per_hour", {})
+    b = r(r(p.get("goodput_rps"), costs.get(PDD)), r(s.get("goodput_rps"), costs.get(SAME)))
+    head["sim_bcr_gain_vs_same_dc"] = None if b is None else b - 1
+    errs, att = [], []
+    for v in sim.values():
+        if (v["measured"].get("goodput_rps") or 0) > 0:
+            errs += [abs(x) for x in v["rel_error"].values() if x is not None and math.isfinite(x)]
+        else:
+            att.append(abs(v["predicted"]["attainment"] - v["measured"]["attainment"]))
+    head["sim_vs_real_max_rel_err"] = max(errs) if errs else None
+    head["sim_vs_real_attainment_abs_err"] = max(att) if att else None
+    head["sim_vs_real"] = {g: {k: round(x, 3) for k, x in v["rel_error"].items()} for g, v in sim.items()}
+
+
 def _git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -265,9 +385,15 @@ def run_compare(workload: Workload, cfg: CompareConfig = CompareConfig(),
     catalog = load_catalog(cfg.catalog)
     site_chips = dict(cfg.site_chips)
     out_dir = Path(cfg.out_dir or f".pdd/eval/{cfg.experiment}-{time.strftime('%Y%m%d-%H%M%S')}")
-    graphs = prepare_graphs(cfg.graphs, out_dir / "graphs", cfg.env.http_port, cfg.link, cfg.stream_first_token)
+    graphs = prepare_graphs(cfg.graphs, out_dir / "graphs", cfg.env.http_port, cfg.link, cfg.stream_first_token,
+                            emulate=cfg.emulate)
     for g in graphs:
         hardware_cost(g.cfg, site_chips, catalog)  # an unknown chip fails now, not after the runs
+    if cfg.emulate is not None:
+        from evaluations.emulated import pacer_stats_of_running_graph
+
+        if cfg.load.time_scale != cfg.emulate.time_scale:
+            raise EvalError(f"the load runs at time_scale {cfg.load.time_scale}, the scenario at {cfg.emulate.time_scale}")
     tracker = None
     if cfg.mlflow:
         from evaluations.tracking import Tracker
@@ -283,7 +409,15 @@ def run_compare(workload: Workload, cfg: CompareConfig = CompareConfig(),
             for g in order:
                 fingerprints.add(code_fingerprint())
                 t = time.monotonic()
-                (records,) = run_graph(g, denv, [workload], cfg.load, cfg.env, log, cfg.progress)
+                after = None
+                if cfg.emulate is not None:
+                    def after(pg: PreparedGraph, denv: dict[str, str] = denv) -> None:
+                        app = yaml.safe_load(pg.path.read_text())["applications"][0]["name"]
+                        try:
+                            results[pg.name].pacer.append(pacer_stats_of_running_graph(app, denv))
+                        except Exception as e:  # noqa: BLE001 - the run stands; its overrun is unknown, said so
+                            log(f"warning: {pg.name}: {e}")
+                (records,) = run_graph(g, denv, [workload], cfg.load, cfg.env, log, cfg.progress, after)
                 results[g.name].runs.append(records)
                 errs = sum(1 for r in records if r.error)
                 log(f"{g.name}: {len(records)} requests, {errs} errors ({time.monotonic() - t:.0f}s with deploy)")
@@ -297,6 +431,18 @@ def run_compare(workload: Workload, cfg: CompareConfig = CompareConfig(),
     control = all(link_params(g)["link.one_way_latency_s"] > 0 for g in graphs if g.cross_site) and any(
         g.cross_site for g in graphs)
     head = headline(summaries, identical, mismatched, control)
+    if cfg.emulate is not None:
+        head.update(emulated_headline(results, summaries, cfg))
+        try:  # the simulator replays the same requests on the same scenario (a failure costs only this)
+            from evaluations.emulated import simulate_records
+            from evaluations.report import record_rows
+
+            rows = [row for n, res in results.items() for i, run in enumerate(res.runs)
+                    for row in record_rows(run, graph=n, repeat=i)]
+            add_sim_predictions(head, simulate_records(cfg.emulate, graphs, rows, out_dir))
+        except Exception as e:  # noqa: BLE001
+            log(f"warning: the simulator's prediction failed: {type(e).__name__}: {e}")
+            head["sim_vs_real_max_rel_err"] = None
     head["stream_first_token"] = cfg.stream_first_token
     head["shaped_link"] = cfg.env.shaped_link
     head["code_fingerprint"] = ",".join(sorted(fingerprints))
@@ -316,6 +462,10 @@ def run_compare(workload: Workload, cfg: CompareConfig = CompareConfig(),
         run_ids = _log_compare(tracker, workload, cfg, results, summaries, head, catalog, site_chips, out_dir, cdf)
         log(f"logged to MLflow {tracker.uri}, experiment {cfg.experiment} (parent run {run_ids.get('parent', '')})")
     log(f"artifacts in {out_dir}")
+    if cfg.emulate is not None:
+        print(f"EMULATED ({cfg.emulate.name}, time_scale {cfg.emulate.time_scale:g}: every time below is an emulated "
+              f"time, not a measured GPU time): pdd compare --emulate {cfg.emulate.name} --repeats {cfg.repeats}",
+              flush=True)
     print(comparison_table(summaries), flush=True)
     print_targets(head)
     print(json.dumps(head, sort_keys=False), flush=True)
@@ -329,7 +479,8 @@ def _log_compare(tracker: Any, workload: Workload, cfg: CompareConfig, results: 
     from evaluations.tracking import flat_metrics
 
     common = {**common_params(workload, cfg.sla, cfg.load, site_chips, cfg.catalog, cfg.repeats),
-              "code_fingerprint": head.get("code_fingerprint", "")}
+              "code_fingerprint": head.get("code_fingerprint", ""),
+              **(cfg.emulate.params() if cfg.emulate is not None else {"emulated": False})}
     parent = tracker.start(f"compare {workload.name}", tags={"kind": "compare"})
     ids = {"parent": parent}
     try:

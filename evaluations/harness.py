@@ -142,7 +142,7 @@ class PreparedGraph:
 
 
 def prepare_graphs(paths: Sequence[str | Path], out_dir: Path, http_port: int, link: Any = None,
-                   stream_first_token: bool = False) -> list[PreparedGraph]:
+                   stream_first_token: bool = False, emulate: Any = None) -> list[PreparedGraph]:
     """Private copies of the graph YAMLs: HTTP port `http_port`, every cross-site graph on the
     same link (`link`, else graphs/pdd.yaml's), one first-token convention for all (PD's by
     default: the first token leaves with the decoder's stream), and cache-hit facts in responses
@@ -174,6 +174,8 @@ def prepare_graphs(paths: Sequence[str | Path], out_dir: Path, http_port: int, l
         if cross:
             args["link"] = link if link is not None else default_link()
         args.setdefault("policy", {})["stream_first_token"] = stream_first_token
+        if emulate is not None:  # an EmulatedScenario (evaluations/emulated.py): chips per graph
+            args["emulate"] = emulate.emulate_block(str(args.get("graph", p.stem)))
         if "expose_cache_hits" in {f.name for f in dataclasses.fields(ServerConfig)}:
             args.setdefault("server", {})["expose_cache_hits"] = True  # the compare reads hit rates
         name = str(args.get("graph", p.stem))
@@ -200,7 +202,9 @@ def link_params(g: PreparedGraph) -> dict[str, Any]:
         kv = int(spec.get("kv_bytes_per_token_fp32", 2048))
     except Exception:  # params only: a missing spec must not stop a run
         kv = 2048
-    lm = g.cfg.link.build(kv).config
+    if g.cfg.emulated:  # the bytes on the line are the emulated model's
+        kv = g.cfg.emulation_for("prefill").kv_bytes_per_token
+    lm = g.cfg.link_model(kv).config if not g.cfg.emulated else g.cfg.link.build(kv, raw=True).config
     out.update({"link.bandwidth_bps": lm.bandwidth_bps, "link.one_way_latency_s": lm.one_way_latency_s,
                 "link.jitter": lm.jitter, "link.sigma": lm.sigma, "link.epoch_s": lm.epoch_s,
                 "kv_bytes_per_token": kv})
@@ -236,9 +240,9 @@ def engine_params(cfg: PDDConfig) -> dict[str, Any]:
 def settle_for(graph: PreparedGraph) -> Callable[[list[RequestRecord]], float]:
     """How long to wait after a warm-up: until its KV has crossed the link (with margin), because a
     warm-up answered by the relay alone is absorbed into MD's cache only once its KV arrived."""
-    lm = graph.cfg.link.build(2048).config
+    lm = graph.cfg.link.build(2048, raw=graph.cfg.emulated).config
 
-    def settle(warm: list[RequestRecord]) -> float:
+    def settle(warm: list[RequestRecord]) -> float:  # emulated seconds when the graph emulates
         if lm.bandwidth_bps is None:
             return 1.0
         wan = sum(int(r.pdd.get("wan_bytes") or 0) for r in warm)
@@ -248,8 +252,10 @@ def settle_for(graph: PreparedGraph) -> Callable[[list[RequestRecord]], float]:
 
 
 def run_graph(graph: PreparedGraph, denv: dict[str, str], workloads: Sequence[Workload], load: LoadConfig,
-              env: EvalEnv, log: Callable[[str], None] = log_err, progress: bool = True) -> list[list[RequestRecord]]:
-    """Deploy one graph, drive each workload through it in order, shut it down."""
+              env: EvalEnv, log: Callable[[str], None] = log_err, progress: bool = True,
+              before_shutdown: Callable[[PreparedGraph], None] | None = None) -> list[list[RequestRecord]]:
+    """Deploy one graph, drive each workload through it in order, shut it down (`before_shutdown`
+    reads what the live graph knows, e.g. the emulated engines' overrun)."""
     from pdd_serve.demo import DemoError, deploy_graph, shutdown_serve
 
     shutdown_serve(denv)  # whatever ran before (a crashed earlier run, another app) goes
@@ -258,7 +264,10 @@ def run_graph(graph: PreparedGraph, denv: dict[str, str], workloads: Sequence[Wo
     except DemoError as e:
         raise EvalError(str(e)) from None
     try:
-        return [drive(url, w, load, desc=f"{graph.name} {w.name}", log=log, progress=progress,
-                      settle_s=settle_for(graph)) for w in workloads]
+        out = [drive(url, w, load, desc=f"{graph.name} {w.name}", log=log, progress=progress,
+                     settle_s=settle_for(graph)) for w in workloads]
+        if before_shutdown is not None:
+            before_shutdown(graph)
+        return out
     finally:
         shutdown_serve(denv)

@@ -94,10 +94,15 @@ class LoadConfig:
     ignore_eos: bool = True
     api_key: str | None = None
     max_connections: int = 256
+    # an emulated graph's slow motion: arrivals, think times and the timeout stretch by it, and
+    # every measured time is divided back, so records read in emulated seconds
+    time_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0 or self.max_connections <= 0:
             raise ValueError("LoadConfig needs timeout_s > 0 and max_connections > 0")
+        if not self.time_scale > 0:
+            raise ValueError(f"LoadConfig.time_scale must be > 0, got {self.time_scale}")
 
 
 async def stream_completion(client: Any, base_url: str, prompt: Sequence[int], turn: Turn, rec: RequestRecord,
@@ -162,21 +167,24 @@ async def run_workload(base_url: str, sessions: Iterable[Session], cfg: LoadConf
     sessions = list(sessions)
     records: list[RequestRecord] = []
     limits = httpx.Limits(max_connections=cfg.max_connections, max_keepalive_connections=64)
-    async with httpx.AsyncClient(limits=limits, timeout=cfg.timeout_s, transport=transport) as client:
+    ts = cfg.time_scale
+    async with httpx.AsyncClient(limits=limits, timeout=cfg.timeout_s * ts, transport=transport) as client:
         t_start = time.monotonic()
 
         async def one(s: Session) -> None:
-            await asyncio.sleep(max(0.0, s.start_s - (time.monotonic() - t_start)))
+            await asyncio.sleep(max(0.0, s.start_s * ts - (time.monotonic() - t_start)))
             context: list[int] = []
             for i, turn in enumerate(s.turns):
                 if i and turn.think_s:
-                    await asyncio.sleep(turn.think_s)
+                    await asyncio.sleep(turn.think_s * ts)
                 if turn.reset_to is not None:
                     context = context[: turn.reset_to]
                 context = context + list(turn.tokens)
                 rec = RequestRecord(s.session_id, i, turn.kind, len(context), turn.planned_hit, turn.max_tokens,
                                     time.monotonic() - t_start)
                 await stream_completion(client, base_url, context, turn, rec, cfg)
+                if ts != 1.0:
+                    _to_emulated(rec, ts)
                 records.append(rec)
                 if progress is not None:
                     progress.update(1)
@@ -192,6 +200,16 @@ async def run_workload(base_url: str, sessions: Iterable[Session], cfg: LoadConf
 
         await asyncio.gather(*(one(s) for s in sessions))
     return sorted(records, key=lambda r: (r.t_send_s is None, r.t_send_s or 0.0, r.session_id, r.turn))
+
+
+def _to_emulated(rec: RequestRecord, ts: float) -> None:
+    """A record measured in real seconds, read in emulated ones (the router's `pdd` facts already are)."""
+    for k in ("t_send_s", "e2e_s", "ttft_s", "tt2t_s", "tpot_s", "itl_max_s"):
+        v = getattr(rec, k)
+        if v is not None:
+            setattr(rec, k, v / ts)
+    if rec.itl_s:
+        rec.itl_s = [x / ts for x in rec.itl_s]
 
 
 def run_sessions(base_url: str, sessions: Iterable[Session], progress: Any = None,
@@ -215,7 +233,7 @@ def drive(base_url: str, workload: Workload, cfg: LoadConfig = LoadConfig(), des
         bad = [r for r in warm if r.error]
         if bad:
             log(f"warning: {len(bad)} warm-up request(s) failed, e.g. {bad[0].error}")
-        time.sleep(settle_s(warm) if callable(settle_s) else settle_s)
+        time.sleep((settle_s(warm) if callable(settle_s) else settle_s) * cfg.time_scale)
     with tqdm(total=workload.num_requests, desc=desc, unit="req", disable=not progress, leave=False) as bar:
         return asyncio.run(run_workload(base_url, workload.sessions, cfg, bar))
 

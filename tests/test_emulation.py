@@ -203,3 +203,38 @@ def test_inline_model_shape() -> None:
     cfg = load_config(_cross(emulate={**EMU, "model": shape, "a": {"chip": "h100-sxm", "tp": 1},
                                       "b": {"chip": "h20", "tp": 1}}))
     assert cfg.emulation_for("main_decode").kv_bytes_per_token == 40 * 40 * 128 * 2 * 2
+
+
+# ---------------------------------------------------------------- the emulated comparison's pieces
+
+
+def test_shipped_scenario_deploys_every_graph_emulated(tmp_path) -> None:
+    from evaluations.emulated import cost_per_hour, load_scenario, role_chips
+    from evaluations.harness import DEFAULT_GRAPHS, prepare_graphs
+
+    sc = load_scenario("emulated_70b")
+    graphs = prepare_graphs(DEFAULT_GRAPHS, tmp_path, 8999, sc.link, emulate=sc)
+    by = {g.name: g.cfg for g in graphs}
+    assert all(c.emulated and c.time_scale == sc.time_scale for c in by.values())
+    assert role_chips(by["pdd"]) == {"prefill": "4 x h100-sxm", "relay": "4 x h100-sxm", "main_decode": "8 x h20"}
+    assert set(role_chips(by["pd_same_dc"]).values()) == {"4 x h100-sxm"}  # homogeneous: the BCR baseline
+    # PDD rents a relay replica more than strong cross-DC PD, on the same chips
+    assert cost_per_hour(by["pdd"]) == pytest.approx(cost_per_hour(by["pd_cross_dc"]) + 4 * 3.0)
+
+
+def test_unknown_scenario_names_the_shipped_ones() -> None:
+    from evaluations.emulated import ScenarioError, load_scenario
+
+    with pytest.raises(ScenarioError, match="emulated_70b"):
+        load_scenario("no_such_scenario")
+
+
+def test_load_generator_reads_records_in_emulated_seconds() -> None:
+    from evaluations.loadgen import LoadConfig, RequestRecord, _to_emulated
+
+    rec = RequestRecord("s", 0, "warm", 10, 0.5, 4, 40.0)
+    rec.ttft_s, rec.e2e_s, rec.itl_s = 2.0, 8.0, [1.0, 3.0]
+    _to_emulated(rec, 20.0)
+    assert (rec.t_send_s, rec.ttft_s, rec.e2e_s, rec.itl_s) == (2.0, 0.1, 0.4, [0.05, 0.15])
+    with pytest.raises(ValueError, match="time_scale"):
+        LoadConfig(time_scale=0)

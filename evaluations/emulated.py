@@ -1,0 +1,244 @@
+"""Emulated-accelerator comparisons (`pdd compare --emulate SCENARIO`): the scenario file, the
+`emulate:` block each graph gets, the emulated cost of a deployment, and the pacers' overrun.
+
+A scenario (evaluations/scenarios/*.yaml) pins what a run emulates: the model shape, the chips and
+`tp` per graph and site, the link, the SLA, the workload and `time_scale`. Every duration in it is
+in emulated seconds; the load generator stretches arrivals, think times and timeouts by
+`time_scale` and divides every measured time back, so the tables read in emulated seconds.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pdd_serve import costmodel
+from pdd_serve.config import PDDConfig
+from pdd_serve.emulation import merge_stats
+
+SCENARIO_DIR = Path(__file__).with_name("scenarios")
+ENGINE_DEPLOYMENTS = {"prefill": "Prefill", "relay": "Relay", "main_decode": "MainDecode"}
+
+
+class ScenarioError(ValueError):
+    """A scenario file that can't be used; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class EmulatedScenario:
+    name: str
+    path: str
+    time_scale: float
+    model: str
+    chips: dict[str, dict[str, dict[str, Any]]]  # graph -> site -> {chip, tp}
+    link: dict[str, Any]
+    sla: dict[str, float]
+    workload: dict[str, Any] = field(default_factory=dict)
+    description: str = ""
+
+    def emulate_block(self, graph: str) -> dict[str, Any]:
+        """The `emulate:` mapping a graph is deployed with."""
+        if graph not in self.chips:
+            raise ScenarioError(f"{self.path}: chips.{graph}: the scenario gives no chips for graph {graph!r} "
+                                f"(it has {', '.join(sorted(self.chips))})")
+        return {"model": self.model, "time_scale": self.time_scale, **{s: dict(v) for s, v in self.chips[graph].items()}}
+
+    def params(self) -> dict[str, Any]:
+        return {"emulated": True, "scenario": self.name, "time_scale": self.time_scale, "emulate.model": self.model,
+                "emulate.chips": json.dumps(self.chips, sort_keys=True)}
+
+
+def load_scenario(name_or_path: str | Path) -> EmulatedScenario:
+    p = Path(name_or_path)
+    if not p.is_file():
+        p = SCENARIO_DIR / f"{name_or_path}.yaml"
+    if not p.is_file():
+        known = ", ".join(sorted(x.stem for x in SCENARIO_DIR.glob("*.yaml")))
+        raise ScenarioError(f"unknown emulated scenario {name_or_path!r}: give a path or one of {known}")
+    try:
+        doc = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ScenarioError(f"{p}: not valid YAML: {e}") from None
+    if not isinstance(doc, dict):
+        raise ScenarioError(f"{p}: must hold a mapping")
+    for k in ("time_scale", "model", "chips", "link", "sla"):
+        if k not in doc:
+            raise ScenarioError(f"{p}: {k}: required")
+    unknown = set(doc) - {"name", "description", "time_scale", "model", "chips", "link", "sla", "workload"}
+    if unknown:
+        raise ScenarioError(f"{p}: {sorted(unknown)[0]}: unknown key")
+    ts = doc["time_scale"]
+    if not isinstance(ts, (int, float)) or ts <= 0:
+        raise ScenarioError(f"{p}: time_scale: must be a number > 0, got {ts!r}")
+    try:
+        costmodel.load_catalog().model(doc["model"])
+    except costmodel.CostModelError as e:
+        raise ScenarioError(f"{p}: {e}") from None
+    return EmulatedScenario(str(doc.get("name", p.stem)), str(p), float(ts), doc["model"], doc["chips"],
+                            dict(doc["link"]), dict(doc["sla"]), dict(doc.get("workload") or {}),
+                            str(doc.get("description", "")).strip())
+
+
+def role_chips(cfg: PDDConfig) -> dict[str, str]:
+    """Each deployed engine role's emulated accelerator, e.g. {'prefill': '4 x h100-sxm', ...}."""
+    return {r: f"{e.tp} x {e.chip.name}" for r in cfg.engine_roles() if (e := cfg.emulation_for(r)) is not None}
+
+
+def cost_per_hour(cfg: PDDConfig) -> float:
+    """The emulated chips a graph rents per hour: replicas x tp x the chip's price, per role
+    (the Routers are CPU frontends and are not counted, as in `pdd compare`'s BCR)."""
+    s = cfg.sites
+    replicas = {"prefill": s.prefill_replicas, "relay": s.relay_replicas, "main_decode": s.main_decode_replicas}
+    total = 0.0
+    for role in cfg.engine_roles():
+        e = cfg.emulation_for(role)
+        total += replicas[role] * e.tp * e.chip.price_per_hour
+    return total
+
+
+def pacer_stats_of_running_graph(app: str, denv: Mapping[str, str], timeout_s: float = 120.0) -> dict[str, Any]:
+    """`collect_pacer_stats` from a driver process of its own on the cluster (`denv`: the
+    cluster's driver environment), so the comparison's process never joins the cluster."""
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "evaluations.emulated", app], env={**os.environ, **denv},
+                       capture_output=True, text=True, timeout=timeout_s)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if r.returncode or not lines:
+        raise RuntimeError(f"reading the emulated engines' stats failed: {r.stderr.strip()[-400:]}")
+    return json.loads(lines[-1])
+
+
+def collect_pacer_stats(app: str) -> dict[str, Any]:
+    """Every live engine replica's pacer counts, merged per role and over the graph (from the
+    replicas' `stats`, before the graph is shut down)."""
+    from pdd_serve.serve.pinning import pinned_handle, replica_actors
+
+    per_role: dict[str, list[dict]] = {}
+    for role, dep in ENGINE_DEPLOYMENTS.items():
+        for rid in sorted(replica_actors(app, dep)):
+            try:
+                st = pinned_handle(app, dep, rid).stats.remote().result(timeout_s=30)
+            except Exception:  # noqa: BLE001 - a replica that went away: its counts are lost, said below
+                per_role.setdefault(role, []).append({"lost": 1})
+                continue
+            emu = dict((st.extra or {}).get("emulation") or {})
+            per_role.setdefault(role, []).append({k: v for k, v in emu.items() if isinstance(v, (int, float))})
+    out: dict[str, Any] = {role: merge_stats([p for p in parts if "lost" not in p]) for role, parts in per_role.items()}
+    out["all"] = merge_stats([p for parts in per_role.values() for p in parts if "lost" not in p])
+    out["replicas_lost"] = sum(1 for parts in per_role.values() for p in parts if "lost" in p)
+    return out
+
+
+def spread(values: list[float]) -> float | None:
+    """(max - min) / median over repeats (None with fewer than two)."""
+    import statistics
+
+    vals = [v for v in values if v is not None]
+    if len(vals) < 2:
+        return None
+    med = statistics.median(vals)
+    return (max(vals) - min(vals)) / med if med else None
+
+
+def ratio(a: Any, b: Any) -> float | None:
+    return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
+
+
+def repeat_ratios(per_repeat: list[Mapping[str, Mapping[str, Any]]], pdd: str, cross: str, naive: str,
+                  same: str) -> dict[str, list[float | None]]:
+    """Each headline ratio, once per repeat (the spread is taken over these)."""
+    out: dict[str, list[float | None]] = {"p90_ttft_vs_cross_dc": [], "goodput_vs_cross_dc": [],
+                                          "goodput_vs_cross_dc_naive": [], "bcr_gain_vs_same_dc": []}
+    for s in per_repeat:
+        p, c, n, sd = s.get(pdd, {}), s.get(cross, {}), s.get(naive, {}), s.get(same, {})
+        out["p90_ttft_vs_cross_dc"].append(ratio(p.get("ttft_p90_s"), c.get("ttft_p90_s")))
+        out["goodput_vs_cross_dc"].append(ratio(p.get("goodput_rps"), c.get("goodput_rps")))
+        out["goodput_vs_cross_dc_naive"].append(ratio(p.get("goodput_rps"), n.get("goodput_rps")))
+        b = ratio(p.get("bcr_emulated"), sd.get("bcr_emulated"))
+        out["bcr_gain_vs_same_dc"].append(None if b is None else b - 1)
+    return out
+
+
+if __name__ == "__main__":  # python -m evaluations.emulated APP: the pacer stats of a running graph
+    import os
+    import sys
+
+    import ray
+
+    ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level="error", log_to_driver=False)
+    print(json.dumps(collect_pacer_stats(sys.argv[1])))
+
+
+# ---------------------------------------------------------------- the simulator's world
+
+
+def sim_scenario_doc(sc: EmulatedScenario, graphs: list[Any]) -> dict[str, Any]:
+    """The same scenario as the simulator reads it (evaluations/sim/config.py's schema): the
+    emulated model and chips from the one catalog, each graph's deployment with its policy and
+    replicas x tp chips, the scenario's link, SLA and pdd_serve's scheduler (one request per
+    prefill forward in 256-token chunks, decode batch `max_batch`, the real pool's prefix cache
+    at the emulated KV size). `graphs`: the prepared graphs (evaluations.harness.PreparedGraph)."""
+    import dataclasses
+
+    from pdd_serve.serve.prefill import PREFILL_CHUNK_TOKENS
+
+    cat = costmodel.load_catalog()
+    shape = cat.model(sc.model)
+    used = sorted({site["chip"] for g in sc.chips.values() for site in g.values()})
+    chips = {n: {k: v for k, v in dataclasses.asdict(cat.chip(n)).items() if k != "name"} for n in used}
+    model = {k: v for k, v in dataclasses.asdict(shape).items() if k not in ("name",) and v is not None}
+    model["name"] = shape.name
+    first = graphs[0].cfg
+    real_bpt = 2048  # the default small model's fp32 KV per token (only the prefix-cache size needs it)
+    m = first.engine_for("prefill")
+    prefix_tokens = (m.kv_cache_bytes // 2 if m.prefix_cache_bytes is None else m.prefix_cache_bytes) / real_bpt
+    deployments: dict[str, Any] = {}
+    for g in graphs:
+        cfg = g.cfg
+        reps = {"prefill": cfg.sites.prefill_replicas, "relay": cfg.sites.relay_replicas,
+                "main_decode": cfg.sites.main_decode_replicas}
+        dep: dict[str, Any] = {}
+        for role in cfg.engine_roles():
+            e = cfg.emulation_for(role)
+            dep[role] = {"chip": e.chip.name, "count": reps[role] * e.tp, "chips_per_instance": e.tp}
+        dep["link"] = "wan" if g.cross_site else "same_dc"
+        pol = dataclasses.asdict(cfg.policy)
+        pol["pipelines"] = list(pol["pipelines"])
+        dep["policy"] = pol
+        deployments[g.name] = dep
+    link = {k: v for k, v in sc.link.items()}
+    link.update(scale_to_model=False, per_prefill_bucket=True)
+    return {
+        "name": f"{sc.name} (simulated)",
+        "chips": chips,
+        "model": model,
+        "workload": {"kind": "synthetic", "block_size": first.model.block_size},
+        "sla": {"ttft_s": sc.sla["ttft_s"], "tpot_s": sc.sla["tpot_s"], "attainment": 0.9, "ttft_from": "client"},
+        "scheduler": {"prefill_chunk_tokens": PREFILL_CHUNK_TOKENS, "prefill_batch_requests": False,
+                      "tail_chunk": "packed", "decode_max_batch": first.engine_for("main_decode").max_batch,
+                      "mem_reserve_fraction": 0.1,
+                      "prefix_cache_gb": prefix_tokens * shape.kv_bytes_per_token / 1e9},
+        "links": {"same_dc": {"preset": "same_dc"}, "wan": link},
+        "deployments": deployments,
+    }
+
+
+def simulate_records(sc: EmulatedScenario, graphs: list[Any], rows: list[dict[str, Any]], out_dir: Path,
+                     draws: int = 3) -> dict[str, Any]:
+    """Replay the measured requests (arrivals, lengths, prefix hits) through the simulator on the
+    same scenario; per graph: predicted vs measured TTFT P50/P90 and goodput, relative errors."""
+    from evaluations.sim.config import load_scenario as load_sim_scenario
+    from evaluations.sim.validate import validate
+
+    path = out_dir / "sim_scenario.yaml"
+    path.write_text("# the emulated scenario as the simulator reads it (evaluations/emulated.py)\n"
+                    + yaml.safe_dump(sim_scenario_doc(sc, graphs), sort_keys=False))
+    return validate(load_sim_scenario(path), rows, sc.sla["ttft_s"], sc.sla["tpot_s"], draws=draws)
