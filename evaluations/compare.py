@@ -259,6 +259,10 @@ def emulated_headline(results: Mapping[str, GraphResult], summaries: Mapping[str
     for name, res in results.items():
         c = cost_per_hour(res.graph.cfg)
         summaries[name]["emulated_cost_per_hour_usd"] = c
+        st = merge_stats([p["all"] for p in res.pacer if "all" in p])
+        if st.get("prefill_steps") or st.get("decode_steps"):
+            summaries[name]["overrun_share_prefill"] = st["overrun_share_prefill"]
+            summaries[name]["overrun_share_decode"] = st["overrun_share_decode"]
         summaries[name]["bcr_emulated"] = summaries[name]["goodput_rps"] / c * 3600 if c else None
     per_repeat: list[dict[str, dict[str, Any]]] = []
     for i in range(cfg.repeats):

@@ -31,6 +31,9 @@ TABLE_ROWS: tuple[tuple[str, str, str], ...] = (
     ("goodput req/s", "goodput_rps", ".3f"),
     ("cost USD/h", "cost_per_hour_usd", ".3f"),
     ("BCR req/USD", "bcr_req_per_usd", ".0f"),
+    ("emulated chips USD/h", "emulated_cost_per_hour_usd", ".1f"),  # emulated runs only (others: row dropped)
+    ("BCR emulated req/USD", "bcr_emulated", ".1f"),
+    ("overrun prefill / decode", "_overrun", "s"),
     ("RLD token share", "rld_token_share", ".3f"),
     ("WAN MB", "wan_mb", ".1f"),
     ("prefix hit P / MD", "_hits", "s"),
@@ -52,6 +55,10 @@ def _derived(s: Mapping[str, Any], key: str) -> Any:
         return f"{_fmt(s.get('prefix_hit_p_mean'), '.2f')} / {_fmt(s.get('prefix_hit_md_mean'), '.2f')}"
     if key == "_pipelines":
         return " ".join(f"{k}:{v}" for k, v in s.get("pipelines", {}).items()) or "-"
+    if key == "_overrun":
+        if s.get("overrun_share_prefill") is None:
+            return None
+        return f"{s['overrun_share_prefill']:.1%} / {s.get('overrun_share_decode', 0.0):.1%}"
     if key == "_handoffs":
         return " ".join(f"{k}:{v}" for k, v in s.get("handoffs", {}).items()) or "-"
     return s.get(key)
@@ -61,6 +68,7 @@ def comparison_table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
     """Rows = metrics, one column per graph."""
     names = list(summaries)
     rows = [[label] + [_fmt(_derived(summaries[g], key), fmt) for g in names] for label, key, fmt in TABLE_ROWS]
+    rows = [r for r in rows if any(c != "-" for c in r[1:])]  # rows no graph has (emulated-only ones)
     header = ["metric", *names]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))

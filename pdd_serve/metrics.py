@@ -99,6 +99,12 @@ class ReplicaGauges:
         self.kv = Gauge("pdd_replica_kv_usage", "fraction of the replica's KV pool blocks in use", tag_keys=("role",))
         for g in (self.requests, self.kv):
             g.set_default_tags({"role": role})
+        # emulated accelerators (pdd_serve/emulation.py): the share of engine steps whose real work
+        # took longer than the emulated chip's modeled time, per step kind; above ~5% the run
+        # measures this machine's CPU, not the chip
+        self.overrun = Gauge("pdd_emulation_overrun_share", "share of engine steps slower than the emulated "
+                             "chip's modeled time", tag_keys=("role", "kind"))
+        self.steps = Gauge("pdd_emulation_steps", "engine steps paced to the emulated chip", tag_keys=("role", "kind"))
         self._task: asyncio.Task | None = None
 
     @classmethod
@@ -114,6 +120,12 @@ class ReplicaGauges:
         s = self._stats()
         self.requests.set(s.running)
         self.kv.set(kv_usage(s.free_blocks, s.total_blocks))
+        emu = (getattr(s, "extra", None) or {}).get("emulation")
+        if emu:
+            for kind in ("prefill", "decode"):
+                tags = {"role": self.role, "kind": kind}
+                self.overrun.set(emu.get(f"overrun_share_{kind}", 0.0), tags=tags)
+                self.steps.set(emu.get(f"{kind}_steps", 0), tags=tags)
 
     async def _loop(self) -> None:
         failed = False

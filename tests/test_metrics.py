@@ -282,6 +282,30 @@ def test_replica_gauges_poll_stats_on_the_loop(fake_ray_metrics):
     assert pm.kv_usage(0, 0) == 0.0 and pm.kv_usage(10, 10) == 0.0
 
 
+def test_emulated_replicas_export_overrun_per_step_kind_and_latencies_in_emulated_seconds(fake_ray_metrics,
+                                                                                          monkeypatch):
+    from pdd_serve.serve.messages import ReplicaStats
+
+    emu = {"prefill_steps": 10, "overrun_share_prefill": 0.1, "decode_steps": 200, "overrun_share_decode": 0.02}
+    g = pm.ReplicaGauges("main_decode", lambda: ReplicaStats("main_decode", 1, 5, 10, extra={"emulation": emu}))
+    g.update()
+    calls = fake_ray_metrics["pdd_emulation_overrun_share"].calls
+    assert (0.1, {"role": "main_decode", "kind": "prefill"}) in calls
+    assert (0.02, {"role": "main_decode", "kind": "decode"}) in calls
+    assert (200, {"role": "main_decode", "kind": "decode"}) in fake_ray_metrics["pdd_emulation_steps"].calls
+    # an unemulated replica sets no emulation gauge
+    pm.ReplicaGauges("relay", lambda: ReplicaStats("relay", 0, 5, 10)).update()
+    assert fake_ray_metrics["pdd_emulation_overrun_share"].calls == []  # the relay's gauge object
+    # slow motion x10: 25 real seconds of a request are 2.5 emulated ones
+    m = pm.RouterMetrics(time_scale=10)
+    info = SimpleNamespace(pipeline="P-MD", handoff_mode="none", eager_tokens=0, wan_bytes=0, fallbacks=[], ttft_s=0.5)
+    st = SimpleNamespace(info=info, finish_reason="length", committed=[1, 2], gen=SimpleNamespace(prompt_token_ids=(1,)),
+                         t0=100.0)
+    monkeypatch.setattr(pm.time, "monotonic", lambda: 125.0)
+    m.record(st)
+    assert fake_ray_metrics["pdd_e2e_request_latency_seconds"].calls[-1] == (2.5, {"pipeline": "P-MD"})
+
+
 # ------------------------------------------------------------------ the Grafana dashboard
 
 

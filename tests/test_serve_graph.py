@@ -25,6 +25,7 @@ from pdd_serve.models import default_model_path
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[1]
 API_KEY = "sk-pdd-test"
+EMULATE = {"model": "llama-3-8b", "time_scale": 3, "a": {"chip": "h100-sxm", "tp": 1}, "b": {"chip": "h20", "tp": 1}}
 
 
 def _free_port() -> int:
@@ -45,8 +46,18 @@ def graph(ray_two_sites, tmp_path_factory):
     app_prod = prod["applications"][0]
     app_prod.update(name="pdd_prod", route_prefix="/prod")
     app_prod["args"]["server"] = {"api_keys": [API_KEY], "max_queue": 3}
+    # the dev graph again on emulated chips (a llama-3-8b shape: P/RLD on an H100, MD on an H20), in
+    # slow motion x3: the same real tokens on every path, each step paced to the emulated chip
+    app_emu = yaml.safe_load((ROOT / "graphs/pdd_dev.yaml").read_text())["applications"][0]
+    app_emu.update(name="pdd_emu", route_prefix="/emu")
+    app_emu["args"]["emulate"] = EMULATE
+    app_emu["args"]["link"] = {"preset": "wan_10g", "bandwidth_bps": 1e9, "one_way_latency_s": 0.02,
+                               "jitter": "constant"}
+    for d in app_emu["deployments"]:
+        if d["name"] == "MainDecode":
+            d["num_replicas"] = 1
     doc = {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": port},
-           "applications": [dev["applications"][0], app_prod]}
+           "applications": [dev["applications"][0], app_prod, app_emu]}
     path = tmp_path_factory.mktemp("graph") / "graphs.yaml"
     path.write_text(yaml.safe_dump(doc))
     serve_exe = str(Path(sys.executable).with_name("serve"))
@@ -57,7 +68,7 @@ def graph(ray_two_sites, tmp_path_factory):
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         try:
-            if all(httpx.get(f"{url}{p}/health", timeout=5).status_code == 200 for p in ("", "/prod")):
+            if all(httpx.get(f"{url}{p}/health", timeout=5).status_code == 200 for p in ("", "/prod", "/emu")):
                 break
         except httpx.HTTPError:
             pass
@@ -69,6 +80,7 @@ def graph(ray_two_sites, tmp_path_factory):
 
     serve.delete("pdd")
     serve.delete("pdd_prod")
+    serve.delete("pdd_emu")
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +127,37 @@ def test_every_replica_runs_on_its_site(graph):
                 where = st if isinstance(st, dict) else st.extra
                 assert where["site"] == site, (app, name, where)
     assert len(_replicas("MainDecode")) == 2  # pdd_dev.yaml: num_replicas 2 of one deployment
+
+
+@pytest.mark.parametrize("pdd, seed", [
+    ({"pipeline": "P-MD"}, 11),
+    ({"pipeline": "P-RLD-MD", "handoff_mode": "one-shot"}, 12),
+    ({"pipeline": "P-RLD-MD", "handoff_mode": "catch-up"}, 13),
+    ({"pipeline": "P-RLD"}, 14),
+])
+def test_emulated_chips_keep_greedy_output_identical_on_every_path(graph, ref_engine, pdd, seed):
+    """Emulation paces every step and counts KV at the emulated size; the tokens stay the real model's."""
+    prompt = _cold_prompt(seed)
+    n = 300
+    t0 = time.monotonic()
+    out = _complete(f"{graph}/emu", prompt, n, pdd, ignore_eos=True)
+    real_s = time.monotonic() - t0
+    info = out["pdd"]
+    assert out["choices"][0]["token_ids"] == _ref_ignore_eos(ref_engine, prompt, n)
+    assert info["pipeline"] == pdd["pipeline"]
+    assert info["ttft_s"] < real_s / 2  # reported in emulated seconds (slow motion x3)
+    if pdd["pipeline"] != "P-RLD":
+        # 1200 tokens of an 8B shape's KV (128 KiB/token, 157 MB) cross, not the small model's 2.4 MB
+        assert info["wan_bytes"] > 100_000_000, info
+    if pdd["pipeline"] == "P-RLD-MD":
+        assert info["eager_tokens"] > 0 and info["md_tokens"] > 0, info
+        assert info["handoff_mode"] == pdd["handoff_mode"]
+    stats = {name: [h.stats.remote().result(timeout_s=60) for h in _replicas(name, "pdd_emu")]
+             for name in ("Prefill", "MainDecode")}
+    emu = stats["Prefill"][0].extra["emulation"]
+    assert emu["chip"] == "h100-sxm" and emu["prefill_steps"] > 0 and emu["time_scale"] == 3
+    md = stats["MainDecode"][0].extra["emulation"]
+    assert md["chip"] == "h20" and (md["decode_steps"] > 0 or pdd["pipeline"] == "P-RLD")
 
 
 @pytest.mark.parametrize("pdd, seed", [
