@@ -235,10 +235,23 @@ def simulate_records(sc: EmulatedScenario, graphs: list[Any], rows: list[dict[st
                      draws: int = 3) -> dict[str, Any]:
     """Replay the measured requests (arrivals, lengths, prefix hits) through the simulator on the
     same scenario; per graph: predicted vs measured TTFT P50/P90 and goodput, relative errors."""
-    from evaluations.sim.config import load_scenario as load_sim_scenario
     from evaluations.sim.validate import validate
 
+    return validate(sim_scenario_for(sc, graphs, out_dir), rows, sc.sla["ttft_s"], sc.sla["tpot_s"], draws=draws)
+
+
+def sim_scenario_for(sc: EmulatedScenario, graphs: list[Any] | None = None, out_dir: Path | None = None):
+    """The simulator's Scenario for an emulated scenario (`graphs`: prepared graphs; default the
+    four under graphs/ with the scenario's chips), written to `out_dir/sim_scenario.yaml`."""
+    import tempfile
+
+    from evaluations.harness import DEFAULT_GRAPHS, prepare_graphs
+    from evaluations.sim.config import load_scenario as load_sim_scenario
+
+    out_dir = Path(out_dir or tempfile.mkdtemp(prefix="pdd-emulated-"))
+    if graphs is None:
+        graphs = prepare_graphs(DEFAULT_GRAPHS, out_dir / "graphs", 8000, sc.link, emulate=sc)
     path = out_dir / "sim_scenario.yaml"
     path.write_text("# the emulated scenario as the simulator reads it (evaluations/emulated.py)\n"
                     + yaml.safe_dump(sim_scenario_doc(sc, graphs), sort_keys=False))
-    return validate(load_sim_scenario(path), rows, sc.sla["ttft_s"], sc.sla["tpot_s"], draws=draws)
+    return load_sim_scenario(path)

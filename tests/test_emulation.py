@@ -238,3 +238,16 @@ def test_load_generator_reads_records_in_emulated_seconds() -> None:
     assert (rec.t_send_s, rec.ttft_s, rec.e2e_s, rec.itl_s) == (2.0, 0.1, 0.4, [0.05, 0.15])
     with pytest.raises(ValueError, match="time_scale"):
         LoadConfig(time_scale=0)
+
+
+def test_the_simulator_reads_the_same_scenario(tmp_path) -> None:
+    from evaluations.emulated import load_scenario, sim_scenario_for
+
+    sim = sim_scenario_for(load_scenario("emulated_70b"), out_dir=tmp_path)
+    assert set(sim.deployments) == {"pd_same_dc", "pd_cross_dc", "pd_cross_dc_naive", "pdd"}
+    pdd = sim.deployments["pdd"]
+    assert (pdd.prefill.chip, pdd.prefill.chips_per_instance) == ("h100-sxm", 4)
+    assert (pdd.main_decode.chip, pdd.main_decode.chips_per_instance) == ("h20", 8)
+    assert sim.model.kv_bytes_per_token == L70.kv_bytes_per_token
+    assert sim.chips["h20"] == CAT.chip("h20")  # one catalog: the same ChipSpec in both worlds
+    assert sim.links[pdd.link].cross_site and not sim.links[sim.deployments["pd_same_dc"].link].cross_site

@@ -496,6 +496,9 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("records", nargs="?", help="per-request records of a real run (parquet/csv/json/jsonl)")
     ap.add_argument("--scenario", default="cpu_validate", help="scenario with one deployment per graph (default: %(default)s)")
+    ap.add_argument("--emulated", metavar="SCENARIO", default=None,
+                    help="records of `pdd compare --emulate SCENARIO`: replay them on that emulated scenario "
+                         "(evaluations/scenarios/NAME.yaml: its model, chips, link and SLA), not --scenario")
     ap.add_argument("--graph", default=None, help="only this graph (or the graph of a file without a graph column)")
     ap.add_argument("--sla-ttft", type=float, default=None, help="SLA TTFT bound, s (default: the scenario's)")
     ap.add_argument("--sla-tpot", type=float, default=None, help="SLA TPOT bound, s (default: the scenario's)")
@@ -533,7 +536,13 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if not args.records:
             ap.error("give a record file (or --calibrate / --make-synthetic)")
-        sc = load_scenario(args.scenario)
+        if args.emulated:
+            from evaluations.emulated import load_scenario as load_emulated
+            from evaluations.emulated import sim_scenario_for
+
+            sc = sim_scenario_for(load_emulated(args.emulated))
+        else:
+            sc = load_scenario(args.scenario)
         if args.link:
             sc = with_link(sc, args.link)
         if args.draws < 1:
