@@ -287,8 +287,18 @@ def emulated_headline(results: Mapping[str, GraphResult], summaries: Mapping[str
     for kind in ("prefill", "decode"):
         out[f"emulation_overrun_share_{kind}"] = stats.get(f"overrun_share_{kind}")
         out[f"emulation_{kind}_steps"] = stats.get(f"{kind}_steps")
-    out["emulation_overrun_ok"] = all((stats.get(f"overrun_share_{k}") or 0) <= OVERRUN_WARN_SHARE
-                                      for k in ("prefill", "decode"))
+    # a run whose counts could not be read (or a replica whose counts were lost) is unknown, not fine
+    runs = sum(len(r.runs) for r in results.values())
+    read = sum(1 for r in results.values() for p in r.pacer if "all" in p)
+    lost = sum(int(p.get("replicas_lost", 0)) for r in results.values() for p in r.pacer)
+    out["emulation_runs_without_overrun_counts"] = runs - read
+    out["emulation_replicas_lost"] = lost
+    known = read == runs and not lost and stats.get("decode_steps")
+    out["emulation_overrun_ok"] = (all((stats.get(f"overrun_share_{k}") or 0) <= OVERRUN_WARN_SHARE
+                                       for k in ("prefill", "decode")) if known else None)
+    if not known:
+        log_err(f"WARNING: the overrun of {runs - read} run(s) and {lost} replica(s) could not be read: "
+                "emulation_overrun_ok is unknown")
     warn = overrun_warning(stats, sc.time_scale)
     if warn:
         log_err(f"WARNING: {warn}")
@@ -296,42 +306,56 @@ def emulated_headline(results: Mapping[str, GraphResult], summaries: Mapping[str
     # Slow motion divides the real software work (HTTP, Serve calls, the Router, asyncio) by
     # time_scale; on real chips it is not smaller. Measured on same-DC P->MD requests (no link):
     # TTFT less the modeled prefill and first decode step, in REAL ms
-    over = software_overhead_real_s(results.get(SAME), sc.time_scale)
+    over, n_alone = software_overhead_real_s(results.get(SAME), sc.time_scale)
     out["software_overhead_ms_p50"] = None if over is None else over * 1e3
+    out["software_overhead_requests"] = n_alone
     floor = summaries.get(PDD, {}).get("ttft_floor_p50_s")
     p50 = summaries.get(PDD, {}).get("ttft_p50_s")
     if over is not None and floor and p50 is not None:
-        # what PDD's P50 would be with the overhead at full size, against the physical floor
+        # what PDD's P50 would be with the overhead at full size, against the floor (same-DC TTFT with
+        # its overhead shrunk, + hops + bytes): pessimistic for PDD by construction
         out["p50_ttft_vs_floor_real_overhead"] = (p50 + over * (1 - 1 / sc.time_scale)) / floor
     out["report_margins"] = {k: f"{op} {v}" for k, (op, v) in REPORT_MARGINS.items()}
     return out
 
 
-def software_overhead_real_s(res: GraphResult | None, time_scale: float) -> float | None:
+def software_overhead_real_s(res: GraphResult | None, time_scale: float) -> tuple[float | None, int]:
     """Median real seconds a same-DC P->MD request spends outside the modeled chip time before its
     first token: TTFT minus the cost model's prefill (256-token chunks past the prefix hit) and
-    one decode step, times time_scale."""
+    one decode step, times time_scale. Only requests that had the graph to themselves until their
+    first token count (no other request in flight): a queue would read as software time. Returns
+    (median, requests it is over)."""
     import statistics
 
     from pdd_serve.serve.prefill import PREFILL_CHUNK_TOKENS
 
     if res is None:
-        return None
+        return None, 0
     p, md = res.graph.cfg.emulation_for("prefill"), res.graph.cfg.emulation_for("main_decode")
     out = []
-    for r in res.records:
-        if r.error or r.ttft_s is None or r.pdd.get("pipeline") != "P-MD":
-            continue
-        n = r.prompt_tokens
-        done = min(n - 1, int((r.pdd.get("prefix_hit_p") or 0.0) * n))
-        modeled = 0.0
-        while done < n:
-            step = min(PREFILL_CHUNK_TOKENS, n - done)
-            modeled += p.prefill_s(step, done)
-            done += step
-        modeled += md.decode_s(1, n)
-        out.append((r.ttft_s - modeled) * time_scale)
-    return statistics.median(out) if out else None
+    for run in res.runs:
+        spans = [(r.t_send_s, r.t_done_s) for r in run if r.t_send_s is not None and r.t_done_s is not None]
+        for r in run:
+            if r.error or r.ttft_s is None or r.t_send_s is None or r.pdd.get("pipeline") != "P-MD":
+                continue
+            first = r.t_send_s + r.ttft_s
+            if sum(1 for a, b in spans if a < first and b > r.t_send_s) > 1:  # itself, and another
+                continue
+            out.append(_overhead_of(r, p, md, time_scale, PREFILL_CHUNK_TOKENS))
+    return (statistics.median(out) if out else None), len(out)
+
+
+def _overhead_of(r: RequestRecord, p: Any, md: Any, time_scale: float, chunk: int) -> float:
+    """One request's real seconds outside the modeled prefill chunks and first decode step."""
+    n = r.prompt_tokens
+    done = min(n - 1, int((r.pdd.get("prefix_hit_p") or 0.0) * n))
+    modeled = 0.0
+    while done < n:
+        step = min(chunk, n - done)
+        modeled += p.prefill_s(step, done)
+        done += step
+    modeled += md.decode_s(1, n)
+    return (r.ttft_s - modeled) * time_scale
 
 
 def add_sim_predictions(head: dict[str, Any], sim: Mapping[str, Any]) -> None:

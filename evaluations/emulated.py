@@ -180,6 +180,16 @@ if __name__ == "__main__":  # python -m evaluations.emulated APP: the pacer stat
 # ---------------------------------------------------------------- the simulator's world
 
 
+def real_kv_bytes_per_token(model: Any) -> int:
+    """KV bytes per token of the real small model an engine runs (`model`: a ModelConfig)."""
+    from pdd_serve.engine.kv import KVLayout
+    from pdd_serve.engine.model import ModelArgs
+    from pdd_serve.models import resolve_model
+
+    a = ModelArgs.from_checkpoint(resolve_model(model.path))
+    return KVLayout(a.num_layers, a.num_kv_heads, a.head_dim, model.block_size, model.kv_dtype).bytes_per_token
+
+
 def sim_scenario_doc(sc: EmulatedScenario, graphs: list[Any]) -> dict[str, Any]:
     """The same scenario as the simulator reads it (evaluations/sim/config.py's schema): the
     emulated model and chips from the one catalog, each graph's deployment with its policy and
@@ -197,8 +207,8 @@ def sim_scenario_doc(sc: EmulatedScenario, graphs: list[Any]) -> dict[str, Any]:
     model = {k: v for k, v in dataclasses.asdict(shape).items() if k not in ("name",) and v is not None}
     model["name"] = shape.name
     first = graphs[0].cfg
-    real_bpt = 2048  # the default small model's fp32 KV per token (only the prefix-cache size needs it)
     m = first.engine_for("prefill")
+    real_bpt = real_kv_bytes_per_token(m)  # the real pool's tokens set the prefix cache's size
     prefix_tokens = (m.kv_cache_bytes // 2 if m.prefix_cache_bytes is None else m.prefix_cache_bytes) / real_bpt
     deployments: dict[str, Any] = {}
     for g in graphs:
@@ -212,6 +222,9 @@ def sim_scenario_doc(sc: EmulatedScenario, graphs: list[Any]) -> dict[str, Any]:
         dep["link"] = "wan" if g.cross_site else "same_dc"
         pol = dataclasses.asdict(cfg.policy)
         pol["pipelines"] = list(pol["pipelines"])
+        # the routers poll the MD views every drc_view_period_s of REAL time: in emulated time that
+        # is time_scale times more often, and the simulator is told so
+        pol["drc_view_period_s"] = cfg.policy.drc_view_period_s / cfg.time_scale
         dep["policy"] = pol
         deployments[g.name] = dep
     link = {k: v for k, v in sc.link.items()}

@@ -119,7 +119,7 @@ async def stream_completion(client: Any, base_url: str, prompt: Sequence[int], t
     parts: list[str] = []
     try:
         async with client.stream("POST", f"{base_url}/v1/completions", json=body, headers=headers,
-                                 timeout=cfg.timeout_s) as r:
+                                 timeout=cfg.timeout_s * cfg.time_scale) as r:
             rec.status = r.status_code
             if r.status_code != 200:
                 rec.error = f"HTTP {r.status_code}: " + (await r.aread()).decode(errors="replace")[:300]

@@ -42,6 +42,9 @@ TABLE_ROWS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+EMULATED_KEYS = ("emulated_cost_per_hour_usd", "bcr_emulated", "_overrun")  # rows only emulated runs fill
+
+
 def _fmt(v: Any, fmt: str) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
@@ -68,7 +71,8 @@ def comparison_table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
     """Rows = metrics, one column per graph."""
     names = list(summaries)
     rows = [[label] + [_fmt(_derived(summaries[g], key), fmt) for g in names] for label, key, fmt in TABLE_ROWS]
-    rows = [r for r in rows if any(c != "-" for c in r[1:])]  # rows no graph has (emulated-only ones)
+    emulated_only = {label for label, key, _ in TABLE_ROWS if key in EMULATED_KEYS}
+    rows = [r for r in rows if r[0] not in emulated_only or any(c != "-" for c in r[1:])]
     header = ["metric", *names]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
