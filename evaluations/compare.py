@@ -257,7 +257,7 @@ def emulated_headline(results: Mapping[str, GraphResult], summaries: Mapping[str
 
     sc = cfg.emulate
     for name, res in results.items():
-        c = cost_per_hour(res.graph.cfg)
+        c = cost_per_hour(res.graph.cfg, sc.relay_cost_fraction)
         summaries[name]["emulated_cost_per_hour_usd"] = c
         st = merge_stats([p["all"] for p in res.pacer if "all" in p])
         if st.get("prefill_steps") or st.get("decode_steps"):
@@ -270,14 +270,15 @@ def emulated_headline(results: Mapping[str, GraphResult], summaries: Mapping[str
         for name, res in results.items():
             if i < len(res.runs):
                 s = summarize_run(res.runs[i], cfg.sla)
-                c = cost_per_hour(res.graph.cfg)
+                c = cost_per_hour(res.graph.cfg, sc.relay_cost_fraction)
                 s["bcr_emulated"] = s["goodput_rps"] / c * 3600 if c else None
                 rep[name] = s
         per_repeat.append(rep)
     out: dict[str, Any] = {"emulated": True, "scenario": sc.name, "time_scale": sc.time_scale,
+                           "relay_cost_fraction": sc.relay_cost_fraction,
                            "repeats": cfg.repeats, "emulated_model": sc.model,
                            "chips": {n: role_chips(r.graph.cfg) for n, r in results.items()},
-                           "emulated_cost_per_hour": {n: cost_per_hour(r.graph.cfg) for n, r in results.items()}}
+                           "emulated_cost_per_hour": {n: cost_per_hour(r.graph.cfg, sc.relay_cost_fraction) for n, r in results.items()}}
     for k, vals in repeat_ratios(per_repeat, PDD, CROSS, NAIVE, SAME).items():
         vs = [v for v in vals if v is not None]
         out[k] = statistics.median(vs) if vs else None

@@ -40,6 +40,10 @@ class EmulatedScenario:
     sla: dict[str, float]
     workload: dict[str, Any] = field(default_factory=dict)
     description: str = ""
+    # the share of a relay replica's chips this deployment pays for: at the report's scale 3 relay
+    # instances serve 40 prefill instances, so a 1-prefill deployment needs ~3/40 of one; 1.0 prices
+    # the relay replica whole (what this small deployment rents)
+    relay_cost_fraction: float = 1.0
 
     def emulate_block(self, graph: str) -> dict[str, Any]:
         """The `emulate:` mapping a graph is deployed with."""
@@ -50,7 +54,7 @@ class EmulatedScenario:
 
     def params(self) -> dict[str, Any]:
         return {"emulated": True, "scenario": self.name, "time_scale": self.time_scale, "emulate.model": self.model,
-                "emulate.chips": json.dumps(self.chips, sort_keys=True)}
+                "emulate.chips": json.dumps(self.chips, sort_keys=True), "relay_cost_fraction": self.relay_cost_fraction}
 
 
 def load_scenario(name_or_path: str | Path) -> EmulatedScenario:
@@ -69,7 +73,8 @@ def load_scenario(name_or_path: str | Path) -> EmulatedScenario:
     for k in ("time_scale", "model", "chips", "link", "sla"):
         if k not in doc:
             raise ScenarioError(f"{p}: {k}: required")
-    unknown = set(doc) - {"name", "description", "time_scale", "model", "chips", "link", "sla", "workload"}
+    unknown = set(doc) - {"name", "description", "time_scale", "model", "chips", "link", "sla", "workload",
+                          "relay_cost_fraction"}
     if unknown:
         raise ScenarioError(f"{p}: {sorted(unknown)[0]}: unknown key")
     ts = doc["time_scale"]
@@ -79,9 +84,12 @@ def load_scenario(name_or_path: str | Path) -> EmulatedScenario:
         costmodel.load_catalog().model(doc["model"])
     except costmodel.CostModelError as e:
         raise ScenarioError(f"{p}: {e}") from None
+    frac = doc.get("relay_cost_fraction", 1.0)
+    if not isinstance(frac, (int, float)) or not 0 < frac <= 1:
+        raise ScenarioError(f"{p}: relay_cost_fraction: must be in (0, 1], got {frac!r}")
     return EmulatedScenario(str(doc.get("name", p.stem)), str(p), float(ts), doc["model"], doc["chips"],
                             dict(doc["link"]), dict(doc["sla"]), dict(doc.get("workload") or {}),
-                            str(doc.get("description", "")).strip())
+                            str(doc.get("description", "")).strip(), float(frac))
 
 
 def role_chips(cfg: PDDConfig) -> dict[str, str]:
@@ -89,15 +97,16 @@ def role_chips(cfg: PDDConfig) -> dict[str, str]:
     return {r: f"{e.tp} x {e.chip.name}" for r in cfg.engine_roles() if (e := cfg.emulation_for(r)) is not None}
 
 
-def cost_per_hour(cfg: PDDConfig) -> float:
-    """The emulated chips a graph rents per hour: replicas x tp x the chip's price, per role
-    (the Routers are CPU frontends and are not counted, as in `pdd compare`'s BCR)."""
+def cost_per_hour(cfg: PDDConfig, relay_fraction: float = 1.0) -> float:
+    """The emulated chips a graph rents per hour: replicas x tp x the chip's price, per role, the
+    relay's times `relay_fraction` (the Routers are CPU frontends and are not counted, as in
+    `pdd compare`'s BCR)."""
     s = cfg.sites
     replicas = {"prefill": s.prefill_replicas, "relay": s.relay_replicas, "main_decode": s.main_decode_replicas}
     total = 0.0
     for role in cfg.engine_roles():
         e = cfg.emulation_for(role)
-        total += replicas[role] * e.tp * e.chip.price_per_hour
+        total += replicas[role] * e.tp * e.chip.price_per_hour * (relay_fraction if role == "relay" else 1.0)
     return total
 
 

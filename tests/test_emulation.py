@@ -251,3 +251,16 @@ def test_the_simulator_reads_the_same_scenario(tmp_path) -> None:
     assert sim.model.kv_bytes_per_token == L70.kv_bytes_per_token
     assert sim.chips["h20"] == CAT.chip("h20")  # one catalog: the same ChipSpec in both worlds
     assert sim.links[pdd.link].cross_site and not sim.links[sim.deployments["pd_same_dc"].link].cross_site
+
+
+def test_relay_cost_fraction_prices_a_share_of_the_relay(tmp_path) -> None:
+    from evaluations.emulated import ScenarioError, cost_per_hour, load_scenario
+
+    cfg = load_config(_cross())
+    whole, share = cost_per_hour(cfg), cost_per_hour(cfg, 0.075)
+    assert whole - share == pytest.approx(0.925 * 4 * 3.0)  # the relay: 4 x h100-sxm at 3.0 $/h
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((load_scenario("emulated_70b").path and open(load_scenario("emulated_70b").path).read())
+                   + "relay_cost_fraction: 0\n")
+    with pytest.raises(ScenarioError, match="relay_cost_fraction"):
+        load_scenario(bad)
