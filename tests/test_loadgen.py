@@ -146,3 +146,23 @@ def test_itl_is_pooled_over_every_gap():
     recs[0].itl_s, recs[1].itl_s = [0.01] * 98 + [1.0], [0.01]
     s = summarize_run(recs, SLA())
     assert s["itl_p50_s"] == pytest.approx(0.01) and s["itl_p99_s"] > 0.01
+
+
+def test_slow_motion_stretches_arrivals_and_think_times_and_reads_back_emulated_seconds(monkeypatch):
+    """time_scale 50: a session starting at 0.02 emulated s, thinking 0.01 s between turns, sleeps
+    1.0 s and 0.5 s of real time; its records read in emulated seconds (sleeps are recorded, not waited)."""
+    import evaluations.loadgen as lg
+    from evaluations.loadgen import LoadConfig
+
+    slept: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def fake_sleep(s: float) -> None:
+        slept.append(s)
+        await real_sleep(0)
+
+    monkeypatch.setattr(lg.asyncio, "sleep", fake_sleep)
+    s = Session("s0", (Turn((5, 6, 7), 2), Turn((8,), 2, think_s=0.01)), start_s=0.02)
+    recs = asyncio.run(run_workload("http://fake", [s], LoadConfig(time_scale=50), transport=_fake_server([])))
+    assert slept[0] == pytest.approx(1.0, abs=0.05) and 0.5 in slept
+    assert all(r.ttft_s is not None and r.ttft_s < 0.05 for r in recs)  # a real ms or so, /50
