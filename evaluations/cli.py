@@ -213,6 +213,9 @@ def _add_compare(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stream-first-token", action="store_true",
                    help="every graph streams P's first token at once (default: the PD convention, the first "
                         "token leaves with the decoder's stream); one convention for all graphs either way")
+    p.add_argument("--naive-once", action="store_true",
+                   help="run pd_cross_dc_naive in the first repeat only (every prompt crosses whole: the slowest "
+                        "graph to run); its ratios then have no spread")
     g = p.add_argument_group("emulated accelerators")
     g.add_argument("--emulate", default=None, metavar="SCENARIO",
                    help="run every graph on emulated chips: real tokens, each engine step paced to the scenario's "
@@ -256,7 +259,7 @@ def _run_compare(args: argparse.Namespace) -> int:
             kw["load"] = dataclasses.replace(kw["load"], time_scale=scenario.time_scale)
             kw["experiment"] = args.experiment or "pdd-compare-emulated"
         cfg = CompareConfig(graphs=graphs, repeats=args.repeats, stream_first_token=args.stream_first_token,
-                            emulate=scenario, **kw)
+                            emulate=scenario, naive_once=args.naive_once, **kw)
     except ValueError as e:
         raise _usage(f"pdd compare: error: {e}") from None
     try:
