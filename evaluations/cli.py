@@ -135,6 +135,15 @@ Workloads:
             contexts, cold documents (hit 0) and a share of anomalous long-input/short-output requests
   mooncake  a slice of a Mooncake-format trace (--trace), hash ids mapped to token ids, token counts
             scaled by --block-tokens/512
+
+Emulated accelerators (--emulate SCENARIO, e.g. emulated_70b): every graph runs the real small model
+but each engine step is paced to the scenario's model on its chips (llama-3-70b: prefill on H100s in
+site a, decode on H20s in site b; same-DC all H100), KV crosses the link at the emulated size, and
+everything runs in slow motion (the scenario's time_scale), so this machine's CPU is a small share of
+each step. Times print in emulated seconds and say so; the JSON adds each ratio's median and spread
+over --repeats, BCR on the emulated chips' prices, the pacers' overrun per step kind (above 5%: raise
+time_scale), the software overhead in real ms, and the simulator's replay of the same requests
+(sim_* keys, sim_vs_real_max_rel_err). About 25 minutes per repeat here (--naive-once saves ~7).
 """
 
 
