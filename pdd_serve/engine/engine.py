@@ -274,6 +274,7 @@ class Engine:
         compute its KV and sample the next. Requests may join or leave between steps."""
         if not seqs:
             return []
+        t0 = self.pacer.begin() if self.pacer is not None else 0.0  # the whole step is the chip's time
         for s in seqs:
             if s.num_pending != 1:
                 raise RuntimeError(f"decode_step needs exactly one pending token, {s.request_id} has {s.num_pending}")
@@ -292,7 +293,6 @@ class Engine:
             mask=(torch.arange(nb * bs, device=dev)[None, :] <= positions[:, None])[:, None, None, :],
         )
         ids = torch.tensor([[s.token_ids[-1]] for s in seqs], dtype=torch.long, device=dev)
-        t0 = self.pacer.begin() if self.pacer is not None else 0.0
         logits = self.model(ids, positions[:, None], self.pool, ctx)
         for s in seqs:
             s.num_computed += 1
@@ -306,6 +306,7 @@ class Engine:
         `end` is the last token (`sample`)."""
         if seq.finished:
             raise RuntimeError(f"request {seq.request_id} is finished ({seq.finish_reason})")
+        t0 = self.pacer.begin() if self.pacer is not None else 0.0  # the whole forward is the chip's time
         if seq.preempted:  # recomputed from its token ids now (`resume`, or an extend that came first)
             seq.preempted, self.num_preempted = False, self.num_preempted - 1
         start = seq.num_computed
@@ -325,7 +326,6 @@ class Engine:
         )
         ids = torch.tensor([seq.token_ids[start:end]], dtype=torch.long, device=dev)
         sample = sample and end == len(seq.token_ids)
-        t0 = self.pacer.begin() if self.pacer is not None else 0.0
         logits = self.model(ids, pos[None], self.pool, ctx) if sample else self.model.fill_kv(ids, pos[None], self.pool, ctx)
         seq.num_computed = end
         tok = self._append_sampled([seq], logits)[0] if sample else None

@@ -58,7 +58,11 @@ def load_engine(model: ModelConfig, enable_prefix_cache: bool = True, threads: i
 def emulation_stats(engine: Engine) -> dict:
     """The pacer's per-step-kind counts (steps, overruns, modeled seconds) for a replica's stats."""
     p = engine.pacer
-    return {"emulation": {**p.stats(), **p.emulation.params()}} if p is not None else {}
+    if p is None:
+        return {}
+    # the pool admission sees: the emulated chips' KV room, or less when kv_cache_bytes caps it
+    pool = {"kv_pool_tokens": engine.pool.num_blocks * engine.block_size}
+    return {"emulation": {**p.stats(), **p.emulation.params(), **pool}}
 
 
 def actor_options(cfg: PDDConfig, site: str, num_cpus: float | None = None) -> dict:

@@ -218,7 +218,8 @@ class Orchestrator:
         self.watchers: dict[MDKey, asyncio.Task] = {}
         self.index_misses = 0  # requests whose MD held less than the router's view said
         period = cfg.policy.drc_view_period_s
-        self.index = MDIndex(max_age_s=max(3.0, 20 * period),
+        # a view poll crosses the line twice: in slow motion that takes time_scale times longer
+        self.index = MDIndex(max_age_s=max(3.0, 20 * period) + cfg.real_s(2 * link.latency_s),
                              settle_s=period + cfg.real_s(2 * link.latency_s) + 0.05)
 
     def _now(self) -> float:
@@ -350,7 +351,8 @@ class Orchestrator:
         covered = (min((at for _, at in self.line_reports.values()), default=None)
                    if self.line_reports and all(p in self.line_reports for p in senders) else None)
         if covered is not None:
-            for r in [r for r, (_, t) in self.wan.items() if t < covered - _REPORT_SLACK_S]:
+            # the slack is real time (a same-site call); the stamps are on the emulated clock
+            for r in [r for r, (_, t) in self.wan.items() if t < covered - _REPORT_SLACK_S / self.time_scale]:
                 del self.wan[r]
         rids = list(self.wan)
         reported = [(b, at) for rep, at in self.line_reports.values() for b in rep.backlog]
