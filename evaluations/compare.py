@@ -377,8 +377,8 @@ def add_sim_predictions(head: dict[str, Any], sim: Mapping[str, Any]) -> None:
     b = r(r(p.get("goodput_rps"), costs.get(PDD)), r(s.get("goodput_rps"), costs.get(SAME)))
     head["sim_bcr_gain_vs_same_dc"] = None if b is None else b - 1
     errs, att = [], []
-    for v in sim.values():
-        if (v["measured"].get("goodput_rps") or 0) > 0:
+    for v in sim.values():  # where either world's goodput is zero, attainment is the comparable figure
+        if (v["measured"].get("goodput_rps") or 0) > 0 and (v["predicted"].get("goodput_rps") or 0) > 0:
             errs += [abs(x) for x in v["rel_error"].values() if x is not None and math.isfinite(x)]
         else:
             att.append(abs(v["predicted"]["attainment"] - v["measured"]["attainment"]))
@@ -471,7 +471,10 @@ def run_compare(workload: Workload, cfg: CompareConfig = CompareConfig(),
 
             rows = [row for n, res in results.items() for i, run in enumerate(res.runs)
                     for row in record_rows(run, graph=n, repeat=i)]
-            add_sim_predictions(head, simulate_records(cfg.emulate, graphs, rows, out_dir))
+            over = head.get("software_overhead_ms_p50")
+            ov_s = over / 1e3 / cfg.emulate.time_scale if over is not None else 0.0
+            head["sim_request_overhead_s"] = ov_s
+            add_sim_predictions(head, simulate_records(cfg.emulate, graphs, rows, out_dir, request_overhead_s=ov_s))
         except Exception as e:  # noqa: BLE001
             log(f"warning: the simulator's prediction failed: {type(e).__name__}: {e}")
             head["sim_vs_real_max_rel_err"] = None
