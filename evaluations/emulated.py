@@ -101,12 +101,10 @@ def cost_per_hour(cfg: PDDConfig, relay_fraction: float = 1.0) -> float:
     """The emulated chips a graph rents per hour: replicas x tp x the chip's price, per role, the
     relay's times `relay_fraction` (the Routers are CPU frontends and are not counted, as in
     `pdd compare`'s BCR)."""
-    s = cfg.sites
-    replicas = {"prefill": s.prefill_replicas, "relay": s.relay_replicas, "main_decode": s.main_decode_replicas}
     total = 0.0
     for role in cfg.engine_roles():
         e = cfg.emulation_for(role)
-        total += replicas[role] * e.tp * e.chip.price_per_hour * (relay_fraction if role == "relay" else 1.0)
+        total += _replicas(cfg, role) * e.tp * e.chip.price_per_hour * (relay_fraction if role == "relay" else 1.0)
     return total
 
 
@@ -123,6 +121,11 @@ def pacer_stats_of_running_graph(app: str, denv: Mapping[str, str], timeout_s: f
     if r.returncode or not lines:
         raise RuntimeError(f"reading the emulated engines' stats failed: {r.stderr.strip()[-400:]}")
     return json.loads(lines[-1])
+
+
+def _replicas(cfg: PDDConfig, role: str) -> int:
+    """A role's configured replicas (`sites.<role>_replicas`)."""
+    return getattr(cfg.sites, f"{role}_replicas")
 
 
 def collect_pacer_stats(app: str) -> dict[str, Any]:
@@ -222,12 +225,10 @@ def sim_scenario_doc(sc: EmulatedScenario, graphs: list[Any]) -> dict[str, Any]:
     deployments: dict[str, Any] = {}
     for g in graphs:
         cfg = g.cfg
-        reps = {"prefill": cfg.sites.prefill_replicas, "relay": cfg.sites.relay_replicas,
-                "main_decode": cfg.sites.main_decode_replicas}
         dep: dict[str, Any] = {}
         for role in cfg.engine_roles():
             e = cfg.emulation_for(role)
-            dep[role] = {"chip": e.chip.name, "count": reps[role] * e.tp, "chips_per_instance": e.tp}
+            dep[role] = {"chip": e.chip.name, "count": _replicas(cfg, role) * e.tp, "chips_per_instance": e.tp}
         dep["link"] = "wan" if g.cross_site else "same_dc"
         pol = dataclasses.asdict(cfg.policy)
         pol["pipelines"] = list(pol["pipelines"])

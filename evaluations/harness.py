@@ -204,7 +204,7 @@ def link_params(g: PreparedGraph) -> dict[str, Any]:
         kv = 2048
     if g.cfg.emulated:  # the bytes on the line are the emulated model's
         kv = g.cfg.emulation_for("prefill").kv_bytes_per_token
-    lm = g.cfg.link_model(kv).config if not g.cfg.emulated else g.cfg.link.build(kv, raw=True).config
+    lm = g.cfg.link.build(kv, raw=g.cfg.emulated).config  # the line's configured rate, per emulated byte when emulated
     out.update({"link.bandwidth_bps": lm.bandwidth_bps, "link.one_way_latency_s": lm.one_way_latency_s,
                 "link.jitter": lm.jitter, "link.sigma": lm.sigma, "link.epoch_s": lm.epoch_s,
                 "kv_bytes_per_token": kv})

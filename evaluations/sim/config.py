@@ -9,7 +9,6 @@ price; a model on parameters, active parameters, layers and KV bytes per token.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 import yaml
 
 from pdd_serve.config import ConfigError, LinkConfig, PolicyConfig
-from pdd_serve.costmodel import ChipSpec, CostModelError, check_fits
+from pdd_serve.costmodel import ChipSpec, CostModelError, _pos, check_fits
 from pdd_serve.costmodel import ModelShape as ModelSpec
 
 SIM_DIR = Path(__file__).resolve().parent
@@ -33,13 +32,6 @@ class SimConfigError(ValueError):
 def _check(cond: bool, field_: str, msg: str) -> None:
     if not cond:
         raise SimConfigError(f"{field_}: {msg}")
-
-
-def _pos(x: float) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 and math.isfinite(x)
-
-
-# ---------------------------------------------------------------- chips and models
 
 
 # ---------------------------------------------------------------- workload, SLA, scheduler, link
