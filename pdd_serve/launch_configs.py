@@ -20,9 +20,16 @@ in order, stopping at the first problem with a message that names the file and t
    min_workers). Cross-site Flight must be reachable (no loopback bind) and a fixed Flight port
    must not be shared by two MD replicas on one node.
 
-`python -m pdd_serve.launch_configs validate FILE...` runs it from a shell; `node-args CONFIG`
-prints `--labels=... --resources=...` for this host from an on-prem config's metadata (the on-prem
-start commands use it).
+4. The generated setup and start commands (`pdd_serve/launch_template.py`) match the file's
+   `metadata.pdd.launch`: every provider runs the same commands.
+
+`python -m pdd_serve.launch_configs validate FILE...` runs it from a shell; `secrets CONFIG` makes
+`.pdd/launch` (launch_secrets.py); `render FILE...` rewrites
+the generated commands (`--check`: say which file drifted); `node-args CONFIG` prints
+`--labels=... --resources=... --node-ip-address=...` for this host from an on-prem config's
+metadata (the on-prem start commands use it); `preflight CONFIG` checks, before `ray up`, that
+every host answers ssh with the config's key (`launch_checks.py`); `wait-nodes CONFIG`, on the
+head after `ray up`, waits until every host has joined with its site label.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from typing import Any
 import yaml
 
 from pdd_serve.config import ConfigError, PDDConfig, check_http_bind, load_config
+from pdd_serve.launch_template import GENERATED_MARK, rendered
 
 SITE_LABEL = "pdd.site"
 SERVE_DEFAULT_NUM_CPUS = 1.0  # what Serve gives a replica whose ray_actor_options lack num_cpus
@@ -572,7 +580,26 @@ def validate_cluster_config(path: str | Path, graph: str | Path | None = None) -
     cfg, demands = graph_demands(graph_path)
     _check_flight(graph_path, cfg)
     usage, warnings = _fit(path, graph_path, flavor, types, demands, cfg)
+    _check_commands(path, config)
     return ClusterCheck(str(path), str(graph_path), provider, tuple(types), tuple(demands), usage, tuple(warnings))
+
+
+def _check_commands(path: Path, config: dict[str, Any]) -> None:
+    """The setup/start commands are the shared template's, rendered from metadata.pdd.launch."""
+    try:
+        want = rendered(path, config)
+    except ValueError as e:
+        key, _, why = str(e).partition(": ")
+        if not why or " " in key:  # a message about the whole mapping
+            key, why = "", str(e)
+        raise LaunchConfigError(path, f"{_META}.launch" + (f".{key}" if key else ""), why) from None
+    if GENERATED_MARK not in path.read_text():
+        raise LaunchConfigError(path, "setup_commands", "not generated from the shared template: add metadata.pdd.launch "
+                                                        f"and run `python -m pdd_serve.launch_configs render {path}`")
+    if path.read_text() != want:
+        raise LaunchConfigError(path, "setup_commands", "the generated commands differ from metadata.pdd.launch (someone "
+                                                        "edited below the marker, or the template changed): run "
+                                                        f"`python -m pdd_serve.launch_configs render {path}`")
 
 
 # ---- on-prem: this host's labels ----------------------------------------------------------------
@@ -603,7 +630,9 @@ def node_args(config_path: str | Path, ip: str | None = None) -> list[str]:
         if (ip in t.hosts) if ip else any(_is_local_address(h) for h in t.hosts):
             labels = ",".join(f"{k}={v}" for k, v in t.labels.items())
             custom = {k: v for k, v in t.resources.items() if k not in ("CPU", "GPU", "memory", "object_store_memory")}
-            out = [f"--labels={labels}"]
+            # The listed address is the one the other hosts reach: Ray's own guess on a multi-homed
+            # host (or one without a default route) can be another.
+            out = [f"--labels={labels}", f"--node-ip-address={ip or next(h for h in t.hosts if _is_local_address(h))}"]
             if custom:  # compact JSON: no spaces, so an unquoted $(...) keeps it one word
                 out.append("--resources=" + json.dumps({k: int(v) if v == int(v) else v for k, v in custom.items()},
                                                        separators=(",", ":")))
@@ -623,7 +652,25 @@ def main(argv: list[str] | None = None) -> int:
     n = sub.add_parser("node-args", help="print this host's `ray start --labels/--resources` from an on-prem config")
     n.add_argument("config")
     n.add_argument("--ip", default=None, help="this host's address as listed (default: detect)")
+    r = sub.add_parser("render", help="rewrite the generated setup/start commands from metadata.pdd.launch")
+    r.add_argument("configs", nargs="+")
+    r.add_argument("--check", action="store_true", help="write nothing; exit 1 naming each file that differs")
+    f = sub.add_parser("preflight", help="before `ray up` (local provider): every host answers ssh with the config's key")
+    f.add_argument("config")
+    f.add_argument("--timeout", type=float, default=10.0, help="seconds per host (default 10)")
+    w = sub.add_parser("wait-nodes", help="on the head after `ray up`: wait until every listed host joined with its "
+                                          "labels; prints them as JSON")
+    w.add_argument("config")
+    w.add_argument("--timeout", type=float, default=300.0, help="seconds (default 300)")
+    k = sub.add_parser("secrets", help="make what .pdd/launch lacks: Ray and Flight tokens, API keys, Flight TLS "
+                                       "for site b's hosts (or the graph's flight.tls_server_name)")
+    k.add_argument("config")
+    k.add_argument("--out", default=".pdd/launch", help="directory (default .pdd/launch, what the configs mount)")
     args = p.parse_args(argv)
+    if args.cmd in ("render", "preflight", "wait-nodes", "secrets"):
+        from pdd_serve import launch_checks
+
+        return launch_checks.run_cli(args)
     if args.cmd == "node-args":
         try:
             print(" ".join(node_args(args.config, args.ip)))

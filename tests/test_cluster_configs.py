@@ -20,14 +20,16 @@ from pdd_serve.launch_configs import (
     ray_schema,
     validate_cluster_config,
 )
+from pdd_serve.launch_template import GENERATED_MARK, LaunchSpec, render_tail, rendered
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "cluster_configs"
-SHIPPED = sorted(CONFIGS.glob("*-two-site.yaml"))
+SHIPPED = [CONFIGS / f"{p}-two-site.yaml" for p in ("aws", "gcp", "onprem")]  # GPU hosts in two datacenters
+LOCAL = CONFIGS / "local-two-site.yaml"  # the emulated hosts on this machine (evaluations/launch_e2e.py)
 
 
-def test_all_three_flavours_are_shipped() -> None:
-    assert [p.name for p in SHIPPED] == ["aws-two-site.yaml", "gcp-two-site.yaml", "onprem-two-site.yaml"]
+def test_all_flavours_are_shipped() -> None:
+    assert sorted(CONFIGS.glob("*-two-site.yaml")) == sorted([*SHIPPED, LOCAL])
 
 
 def test_ray_schema_supports_node_type_labels() -> None:
@@ -78,12 +80,23 @@ def test_local_shaped_graphs_load_and_bind_beyond_loopback() -> None:
 # ---- broken configs ---------------------------------------------------------------------------
 
 
+GENERATED_KEYS = set(yaml.safe_load(render_tail(LaunchSpec(), "x.yaml")))
+
+
 def _broken(tmp_path: Path, src: str, mutate: Callable[[dict[str, Any]], None], name: str | None = None) -> Path:
+    """A copy of a shipped config, mutated; its generated commands re-rendered for the copy, unless
+    the mutation is to them."""
     doc = yaml.safe_load((CONFIGS / src).read_text())
     doc["metadata"]["pdd"]["graph"] = str(ROOT / doc["metadata"]["pdd"]["graph"])
+    before = {k: doc.get(k) for k in GENERATED_KEYS}
     mutate(doc)
     p = tmp_path / (name or src)
-    p.write_text(yaml.safe_dump(doc, sort_keys=False))
+    if any(doc.get(k) != v for k, v in before.items()):
+        p.write_text(yaml.safe_dump(doc, sort_keys=False))
+        return p
+    p.write_text(yaml.safe_dump({k: v for k, v in doc.items() if k not in GENERATED_KEYS}, sort_keys=False)
+                 + GENERATED_MARK + "\n")
+    p.write_text(rendered(p, doc))
     return p
 
 
@@ -302,9 +315,13 @@ def test_broken_onprem_config(tmp_path: Path, mutate: Callable, pattern: str) ->
 
 def test_onprem_node_args_give_each_host_its_site() -> None:
     p = CONFIGS / "onprem-two-site.yaml"
-    assert node_args(p, "10.10.0.10") == ["--labels=pdd.site=a,pdd.chip=cpu", '--resources={"site_a":1000}']
-    assert node_args(p, "10.10.0.12") == ["--labels=pdd.site=a,pdd.chip=h100", '--resources={"site_a":1000}']
-    assert node_args(p, "10.20.0.11") == ["--labels=pdd.site=b,pdd.chip=h20", '--resources={"site_b":1000}']
+    # the listed address goes too: the other site reaches the host there, whatever Ray would guess
+    assert node_args(p, "10.10.0.10") == ["--labels=pdd.site=a,pdd.chip=cpu", "--node-ip-address=10.10.0.10",
+                                          '--resources={"site_a":1000}']
+    assert node_args(p, "10.10.0.12") == ["--labels=pdd.site=a,pdd.chip=h100", "--node-ip-address=10.10.0.12",
+                                          '--resources={"site_a":1000}']
+    assert node_args(p, "10.20.0.11") == ["--labels=pdd.site=b,pdd.chip=h20", "--node-ip-address=10.20.0.11",
+                                          '--resources={"site_b":1000}']
     with pytest.raises(LaunchConfigError, match=r"node_types: host 10\.9\.9\.9 is in no node type's hosts"):
         node_args(p, "10.9.9.9")
     with pytest.raises(LaunchConfigError, match=r"provider\.type: node-args is for the local"):
@@ -322,7 +339,8 @@ def test_cli(capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: py
     assert main(["validate", str(bad)]) == 1
     assert "available_node_types.site_b.labels: missing pdd.site" in capsys.readouterr().err
     assert main(["node-args", str(CONFIGS / "onprem-two-site.yaml"), "--ip", "10.20.0.12"]) == 0
-    assert capsys.readouterr().out.strip() == '--labels=pdd.site=b,pdd.chip=h20 --resources={"site_b":1000}'
+    assert capsys.readouterr().out.strip() == ('--labels=pdd.site=b,pdd.chip=h20 --node-ip-address=10.20.0.12 '
+                                               '--resources={"site_b":1000}')
 
 
 def test_broken_yaml_and_missing_graph(tmp_path: Path) -> None:
