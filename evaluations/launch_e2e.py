@@ -95,19 +95,21 @@ class Launch:
         self.env.pop("RAY_ADDRESS", None)
 
     def sh(self, step: str, cmd: list[str], timeout_s: float, check: bool = True) -> subprocess.CompletedProcess:
+        """Run a command with its output streamed to `<log_dir>/<step>.log` (follow it while it runs)."""
         log_path = self.log_dir / f"{step}.log"
         with open(log_path, "ab") as f:
             f.write(f"$ {' '.join(cmd)}\n".encode())
             f.flush()
+            start = f.tell()
             try:
-                r = subprocess.run(cmd, cwd=REPO, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                r = subprocess.run(cmd, cwd=REPO, env=self.env, stdin=subprocess.DEVNULL, stdout=f,
                                    stderr=subprocess.STDOUT, timeout=timeout_s)
-            except subprocess.TimeoutExpired as e:
-                f.write(e.stdout or b"")
+            except subprocess.TimeoutExpired:
                 raise LaunchE2EError(step, f"`{' '.join(cmd[:4])} ...` did not finish in {timeout_s:.0f}s "
                                            f"(its output: {log_path})") from None
-            f.write(r.stdout)
-        r.stdout = r.stdout.decode(errors="replace")
+        with open(log_path, "rb") as f:
+            f.seek(start)
+            r.stdout = f.read().decode(errors="replace")
         if check and r.returncode != 0:
             tail = "\n".join(r.stdout.strip().splitlines()[-15:])
             raise LaunchE2EError(step, f"`{' '.join(cmd[:4])} ...` failed (exit {r.returncode}; {log_path}):\n{tail}")
@@ -262,7 +264,7 @@ def run(cfg: LaunchE2EConfig = LaunchE2EConfig(), log_dir: Path | None = None) -
                    node_ips={n["labels"].get("pdd.site", ""): n["ip"] for n in nodes}, launched=True,
                    launch_s=round(time.monotonic() - t0, 1))
         _log(f"cluster up in {out['launch_s']}s: {out['node_ips']}; serve deploy ...")
-        graph = check.graph
+        graph = (REPO / check.graph_path).resolve().relative_to(REPO)  # where it is in the rsynced repo
         t1 = time.monotonic()
         launch.on_head("serve deploy", f"serve deploy ~/pdd_serve/{graph}", timeout_s=300)
         url = f"http://{_head_ip(check)}:{cfg.http_port}"
@@ -277,6 +279,9 @@ def run(cfg: LaunchE2EConfig = LaunchE2EConfig(), log_dir: Path | None = None) -
     except LaunchE2EError as e:
         out.update(ok=False, failed_step=e.step, error=str(e))
         _log(f"FAILED at {e.step}: {e}")
+    except Exception as e:  # a bug here: still torn down, still one JSON line
+        out.update(ok=False, failed_step="launch_e2e", error=f"{type(e).__name__}: {e}")
+        _log(f"FAILED: {type(e).__name__}: {e}")
     finally:
         out.update(_teardown(cfg, launch, ray_up_started, ssh_dirs_before))
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -285,7 +290,7 @@ def run(cfg: LaunchE2EConfig = LaunchE2EConfig(), log_dir: Path | None = None) -
 
 
 def _head_ip(check: Any) -> str:
-    return next(t.hosts[0] for t in check.types if t.is_head)
+    return next(t.hosts[0] for t in check.node_types if t.is_head)
 
 
 def _teardown(cfg: LaunchE2EConfig, launch: Launch, ray_up_started: bool, ssh_dirs_before: set[str]) -> dict[str, Any]:

@@ -4,8 +4,9 @@
 every node as `~/.pdd/launch`): `ray_auth_token` (Ray token auth), `flight_token` (the KV Flight
 bearer token), `api_keys` (HTTP API keys, one a line) and `tls/{ca.crt, md.crt, md.key}` (KV
 Flight TLS: a CA and main decode's certificate for site b's host addresses, or for the name the
-graph's `flight.tls_server_name` gives). Existing files are kept, so keys survive a re-run; the
-CA's key is deleted after signing (keep your own elsewhere to sign again).
+graph's `flight.tls_server_name` gives). Existing files are kept, so keys survive a re-run, except
+a certificate that does not name those hosts, which is remade; the CA's key is deleted after
+signing (keep your own elsewhere to sign again).
 """
 
 from __future__ import annotations
@@ -68,10 +69,23 @@ def make_secrets(out_dir: str | Path, md_names: list[str]) -> list[str]:
             _write(out / name, value + "\n")
             made.append(name)
     tls = out / "tls"
-    if not all((tls / f).exists() for f in ("ca.crt", "md.crt", "md.key")):
+    complete = all((tls / f).exists() for f in ("ca.crt", "md.crt", "md.key"))
+    # a certificate for other hosts (the config's addresses changed) would fail the KV stream's TLS
+    # handshake at the first transfer, far from the cause: remake it now
+    if not complete or not set(_san(md_names).split(",")) <= cert_names(tls / "md.crt"):
         make_tls(tls, md_names)
         made += ["tls/ca.crt", "tls/md.crt", "tls/md.key"]
     return made
 
 
-__all__ = ["make_secrets", "make_tls"]
+def cert_names(cert: Path) -> set[str]:
+    """The subjectAltName entries of a certificate, as `IP:a.b.c.d` / `DNS:name` (empty if unreadable)."""
+    r = subprocess.run(["openssl", "x509", "-in", str(cert), "-noout", "-ext", "subjectAltName"], capture_output=True,
+                       text=True, timeout=30, stdin=subprocess.DEVNULL)
+    if r.returncode != 0:
+        return set()
+    lines = r.stdout.splitlines()[1:]  # after "X509v3 Subject Alternative Name:"
+    return {n.strip().replace("IP Address:", "IP:") for ln in lines for n in ln.split(",") if n.strip()}
+
+
+__all__ = ["cert_names", "make_secrets", "make_tls"]
