@@ -16,7 +16,6 @@ import os
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass
-from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -113,7 +112,10 @@ class ModelSpec:
 
 def corpus_text() -> str:
     """The shipped tokenizer corpus (stdlib docstrings + PDD.md), fixed forever."""
-    return resources.files("pdd_serve").joinpath("assets/corpus.txt").read_text(encoding="utf-8")
+    # next to this file, not `importlib.resources.files("pdd_serve")`: a Ray worker started in a
+    # directory holding a checkout named pdd_serve (a launched node's ~/pdd_serve) resolves that
+    # name to the checkout's root, a namespace package without assets/
+    return (Path(__file__).with_name("assets") / "corpus.txt").read_text(encoding="utf-8")
 
 
 @functools.lru_cache(maxsize=8)
