@@ -69,7 +69,7 @@ class LaunchE2EConfig:
     request_timeout_s: float = 300.0
     preflight_timeout_s: float = 8.0
     cold_prompt_tokens: int = 1200  # its KV needs > wan_budget over the 16 Mbit/s line: P-RLD-MD
-    cold_max_tokens: int = 300  # long enough that main decode takes over from the relay
+    cold_max_tokens: int = 800  # long enough that main decode takes over: the relay alone ran 300 in 1.7 s, the KV needs ~1.5 s
     short_max_tokens: int = 24
     http_port: int = 8000
     hosts: HostsConfig = field(default_factory=HostsConfig)
@@ -195,7 +195,7 @@ def _requests(cfg: LaunchE2EConfig, url: str, key: str) -> dict[str, Any]:
         got.append(body["choices"][0]["token_ids"])
         infos.append({"case": name, "prompt_tokens": len(prompt), "max_tokens": n, "wall_s": round(time.monotonic() - t0, 2),
                       **{k: body.get("pdd", {}).get(k) for k in ("pipeline", "handoff_mode", "eager_tokens",
-                                                                   "md_tokens", "wan_bytes")}})
+                                                                   "md_tokens", "handoff_batches")}})
         _log(f"{name}: {len(prompt)}-token prompt, {n} tokens via {infos[-1]['pipeline']} in {infos[-1]['wall_s']}s")
     want = _reference([c[1] for c in cases], [c[2] for c in cases])
     mismatched = [c[0] for c, g, w in zip(cases, got, want, strict=True) if g != w]

@@ -185,6 +185,29 @@ def test_an_abort_while_a_call_waits_for_the_kv_leaves_nothing(md, call: str) ->
     _assert_forgotten(md, rid, free)
 
 
+def test_wait_kv_keeps_one_budget_when_the_prepare_arrives_late(md) -> None:
+    """wait_kv overtook its prepare, which lands 2 s into a 2.5 s budget; the KV never comes. The
+    wait ends at the budget (with MD's reason), not 2 s + another full 2.5 s (before the fix),
+    by which time the Router's silence timer had fired and MD's reason was lost."""
+    rid = "late-prepare"
+    free = md.engine.pool.num_free
+
+    async def main() -> float:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        wait = asyncio.create_task(md.wait_kv(rid, 2.5))
+        await asyncio.sleep(2.0)
+        await md.prepare(_req(rid))
+        ready = await asyncio.wait_for(wait, 10)
+        assert not ready.ok and "not complete after" in ready.error, ready
+        assert await md.abort(rid)
+        return loop.time() - t0
+
+    elapsed = asyncio.run(main())
+    assert elapsed < 3.8, f"wait_kv took {elapsed:.1f}s for a 2.5 s budget"
+    _assert_forgotten(md, rid, free)
+
+
 def test_an_abort_during_a_handoff_extend_leaves_nothing(md, sender, monkeypatch: pytest.MonkeyPatch) -> None:
     """The abort lands while a catch-up batch waits on the engine thread (the KV is in): the
     extend finds the request aborted and fails, and MD forgets the request entirely."""

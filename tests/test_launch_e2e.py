@@ -80,7 +80,8 @@ def test_ray_up_serve_deploy_requests_ray_down(tmp_path: Path) -> None:
     assert res["no_key_status"] == 401  # HTTP beyond loopback: only with an API key
     assert {"P-MD", "P-RLD-MD"} <= set(res["pipelines_seen"]), res["requests"]
     cold = next(r for r in res["requests"] if r["case"] == "cold")
-    assert cold["pipeline"] == "P-RLD-MD" and cold["md_tokens"] > 0 and cold["wan_bytes"] > 0, cold
+    # main decode on the other host took over: the prompt's KV crossed (TLS Flight), then the handoff
+    assert cold["pipeline"] == "P-RLD-MD" and cold["md_tokens"] > 0 and cold["handoff_batches"] >= 1, cold
     assert res["outputs_identical"], res["mismatched"]
     assert res["ssh_used"] and all(n > 0 for n in res["ssh_logins"].values())
     assert res["provider"] == "local" and res["launch_s"] > 0

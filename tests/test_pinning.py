@@ -34,3 +34,58 @@ def test_an_unpinned_call_goes_to_the_least_loaded_replica():
     assert rank_replicas(None, stats) == [["r2", "r3"], ["r1"]]
     assert rank_replicas(None, {"new": None, "r1": {"running": 2, "capacity": 8}}) == [["new"], ["r1"]]
     assert rank_replicas(None, {}) == []
+
+
+class _FakeMD:
+    """Records what would cross the line to MainDecode."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, str | None]] = []
+
+    async def call(self, method: str, *args, session_id: str | None = None):  # noqa: ANN002, ANN201
+        self.sent.append((method, session_id))
+        return method
+
+    def stream(self, method: str, *args, session_id: str | None = None):  # noqa: ANN002, ANN201
+        self.sent.append((method, session_id))
+
+        async def gen():  # noqa: ANN202
+            yield method
+
+        return gen()
+
+
+def test_the_router_does_not_send_calls_pinned_to_a_replica_serve_no_longer_has(monkeypatch):
+    """A replica that left Serve's replica set would refuse every pinned call, one WAN round trip
+    each: the Router refuses them itself (the same ReplicaGone the orchestrator migrates on)."""
+    import asyncio
+
+    from pdd_serve.serve import router
+    from pdd_serve.serve.router import ServeBackends, known_gone
+
+    assert known_gone("r2", ["r1"]) and not known_gone("r1", ["r1", "r2"])
+    assert not known_gone(None, ["r1"]) and not known_gone("r2", None)  # unpinned / no set yet: send
+
+    b = ServeBackends.__new__(ServeBackends)  # the adapter alone: no Serve handles
+    b.md, b._md_id, b.gone_pins = _FakeMD(), ("app", "MainDecode"), 0
+    live = {("app", "MainDecode"): ("r1",)}
+    monkeypatch.setattr(router, "live_replicas", lambda app, dep: live.get((app, dep)))
+
+    async def main() -> None:
+        assert await b.md_wait_kv("r1", "req", 5) == "wait_kv"
+        for call in (lambda: b.md_wait_kv("r2", "req", 5), lambda: b.md_handoff_batch("r2", "req", [1], 5),
+                     lambda: b.md_absorb("r2", "req", [1], 5), lambda: b.md_abort("r2", "req", 0),
+                     lambda: b.md_prepare("r2", None, None)):
+            with pytest.raises(ReplicaGone, match="r2 is gone"):
+                await call()
+        stream = b.md_decode("r2", "req", [1], 5)  # fails on iteration, where a remote refusal would
+        with pytest.raises(ReplicaGone):
+            async for _ in stream:
+                pass
+        assert [c async for c in b.md_decode("r1", "req", [1], 5)] == ["decode"]
+        live.clear()  # Serve's router not started: nothing is known gone, the call goes out
+        assert await b.md_abort("r2", "req", 0) == "abort"
+
+    asyncio.run(main())
+    assert b.md.sent == [("wait_kv", pin("r1")), ("decode", pin("r1")), ("abort", pin("r2"))]
+    assert b.gone_pins == 6

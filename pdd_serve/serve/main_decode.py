@@ -125,14 +125,18 @@ class MainDecode:
             return await self._wait_kv(request_id, timeout_s)
 
     async def _wait_kv(self, request_id: str, timeout_s: float) -> KVReady:
+        # one budget for the whole wait: a prepare that arrives late leaves the KV only the rest
+        # (the Router's silence timer is sized to timeout_s, and MD's reason must reach it first)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         seq = await self._seq_registered(request_id, timeout_s)
         if seq.num_computed >= seq.prompt_len:
             return KVReady(True, 0, 0.0)
         task = self._kv.get(request_id)
         if task is None:
-            task = self._kv[request_id] = asyncio.get_running_loop().create_task(self._receive(request_id, seq))
+            task = self._kv[request_id] = loop.create_task(self._receive(request_id, seq))
         try:
-            return await asyncio.wait_for(asyncio.shield(task), timeout_s)
+            return await asyncio.wait_for(asyncio.shield(task), max(0.0, deadline - loop.time()))
         except asyncio.TimeoutError:
             return KVReady(False, error=f"KV for {request_id} not complete after {timeout_s:.1f}s")
         except asyncio.CancelledError:

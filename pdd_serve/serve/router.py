@@ -25,7 +25,7 @@ from pdd_serve.serve.common import logger
 from pdd_serve.serve.crosssite import site_handle
 from pdd_serve.serve.messages import GenRequest
 from pdd_serve.serve.orchestrator import Orchestrator, RequestState, is_overloaded
-from pdd_serve.serve.pinning import live_replicas, pin, replica_stats
+from pdd_serve.serve.pinning import ReplicaGone, live_replicas, pin, replica_stats
 
 api = FastAPI(title="pdd_serve", description="PDD: Prefill -> Relay decode -> Main decode, OpenAI-compatible API")
 POOL_FULL_RETRY_AFTER_S = 1.0  # a pool frees as its requests finish: seconds, not minutes
@@ -45,6 +45,17 @@ def _pin(replica: str | None) -> str | None:
     return None if replica is None else pin(replica)
 
 
+def known_gone(replica: str | None, live: list[str] | tuple[str, ...] | None) -> bool:
+    """A pinned call would reach a replica that Serve's replica set no longer has (scaled down,
+    dead): it is refused there, one WAN round trip for nothing. None (unpinned) or no set yet: no."""
+    return replica is not None and live is not None and replica not in live
+
+
+async def _refused(e: Exception) -> AsyncIterator[Any]:
+    raise e
+    yield  # an async generator: the stream fails where a remote refusal would, on iteration
+
+
 def _live(deployment: tuple[str, str]) -> list[str] | None:
     live = live_replicas(*deployment)  # None until Serve's request router for it has started
     return None if live is None else list(live)
@@ -62,6 +73,7 @@ class ServeBackends:
         self._md_id = (md.deployment_id.app_name, md.deployment_id.name)
         self._p_id = (prefill.deployment_id.app_name, prefill.deployment_id.name)
         self._r_id = None if relay is None else (relay.deployment_id.app_name, relay.deployment_id.name)
+        self.gone_pins = 0  # calls not sent: pinned to an MD replica Serve no longer has
 
     @property
     def control_messages_delayed(self) -> int:
@@ -71,27 +83,39 @@ class ServeBackends:
         return _live(self._md_id)
 
     # every call about a request is pinned to the MD replica that holds it (`pinning.py`);
-    # i None (no view of any MD yet): Serve's request router picks the least loaded
+    # i None (no view of any MD yet): Serve's request router picks the least loaded. A pin to a
+    # replica Serve no longer has fails here, as the replica would have refused it over the line
+    def _md_pin(self, i: str | None) -> str | None:
+        if known_gone(i, live_replicas(*self._md_id)):
+            self.gone_pins += 1
+            raise ReplicaGone(f"main decode replica {i} is gone (no longer in Serve's replica set); the call was "
+                              "not sent")
+        return _pin(i)
+
     async def md_view(self, i, known):  # noqa: ANN001, ANN201
-        return await self.md.call("routing_view", known, session_id=_pin(i))
+        return await self.md.call("routing_view", known, session_id=self._md_pin(i))
 
     async def md_prepare(self, i, req, planned_start):  # noqa: ANN001, ANN201
-        return await self.md.call("prepare", req, planned_start, session_id=_pin(i))
+        return await self.md.call("prepare", req, planned_start, session_id=self._md_pin(i))
 
     async def md_wait_kv(self, i, request_id, timeout_s):  # noqa: ANN001, ANN201
-        return await self.md.call("wait_kv", request_id, timeout_s, session_id=_pin(i))
+        return await self.md.call("wait_kv", request_id, timeout_s, session_id=self._md_pin(i))
 
     async def md_handoff_batch(self, i, request_id, token_ids, timeout_s):  # noqa: ANN001, ANN201
-        return await self.md.call("handoff_batch", request_id, token_ids, timeout_s, session_id=_pin(i))
+        return await self.md.call("handoff_batch", request_id, token_ids, timeout_s, session_id=self._md_pin(i))
 
     def md_decode(self, i, request_id, committed, timeout_s):  # noqa: ANN001, ANN201
-        return self.md.stream("decode", request_id, committed, timeout_s, session_id=_pin(i))
+        try:
+            sid = self._md_pin(i)
+        except ReplicaGone as e:
+            return _refused(e)
+        return self.md.stream("decode", request_id, committed, timeout_s, session_id=sid)
 
     async def md_absorb(self, i, request_id, output_ids, timeout_s):  # noqa: ANN001, ANN201
-        return await self.md.call("absorb", request_id, output_ids, timeout_s, session_id=_pin(i))
+        return await self.md.call("absorb", request_id, output_ids, timeout_s, session_id=self._md_pin(i))
 
     async def md_abort(self, i, request_id, attempt=None):  # noqa: ANN001, ANN201
-        return await self.md.call("abort", request_id, attempt, session_id=_pin(i))
+        return await self.md.call("abort", request_id, attempt, session_id=self._md_pin(i))
 
     async def prefill(self, preq):  # noqa: ANN001, ANN201
         return await self.p.call("prefill", preq)
@@ -188,6 +212,7 @@ class Router:
                 "fallbacks": dict(self.orch.fallbacks), "link_bps": line.bandwidth_bps * 8,
                 "index_misses": self.orch.index_misses,
                 "control_messages_delayed": self.backends.control_messages_delayed,
+                "gone_pins_not_sent": self.backends.gone_pins,
                 "wan_backlog_bytes": sum(line.backlog), **placement()}
 
     # ------------------------------------------------------------ request handling
