@@ -291,23 +291,6 @@ def cluster_exposition(texts: Iterable[str | None], model_name: str) -> str:
     return render([*fams.values(), *vllm_aliases(fams, model_name), nodes])
 
 
-def check_metrics_access(headers: Mapping[str, str], server: Any) -> None:
-    """Who may read `/metrics` (raises `openai_api.APIError`). With no API key configured (the
-    config allows that only on loopback or with `server.allow_insecure`) it is open, as vLLM's is.
-    With keys: an admin key (`server.admin_api_keys`); any API key only when the graph sets
-    `server.expose_cache_hits`, because the counters (`pdd_wan_bytes_total`, prompt tokens,
-    fallbacks) let a tenant who reads them around its own request tell whether its prefix was
-    cached: the fact the responses hide from non-admin callers."""
-    from pdd_serve.serve import openai_api as oai
-
-    oai.check_api_key(headers, server)  # 401 without a valid key, when keys are configured
-    if not oai._api_keys(server) or server.expose_cache_hits or oai.is_admin(headers, server):
-        return
-    raise oai.APIError(403, "permission_error", "/metrics needs one of server.admin_api_keys (its counters reveal "
-                       "cache hits); or set server.expose_cache_hits: true to let every API key read it",
-                       code="admin_key_required")
-
-
 _nodes_cache: tuple[float, list[str]] = (0.0, [])
 
 

@@ -123,3 +123,24 @@ def test_a_broken_plugin_costs_only_its_own_commands(monkeypatch, capsys):
     cmds = cli.plugin_commands()
     assert [c.name for c in cmds] == [c.name for c in cli.COMMANDS]  # once, though listed twice
     assert "aa-broken" in capsys.readouterr().err
+
+
+def _pdd_imports(path: Path) -> set[str]:
+    """The pdd_serve modules `path` imports (statements anywhere in it, deferred ones too)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("pdd_serve")}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("pdd_serve"):
+            out |= {f"{node.module}.{a.name}" for a in node.names} | {node.module}
+    return out
+
+
+@pytest.mark.parametrize("module", ["metrics", "policy", "costmodel", "config", "engine", "transport"])
+def test_the_lower_layers_do_not_import_the_serve_layer(module: str):
+    """The Serve deployments use metrics, policy, the cost model, config, the engine and the
+    transport; none of those reaches back up into pdd_serve.serve."""
+    files = sorted((PKG / module).rglob("*.py")) if (PKG / module).is_dir() else [PKG / f"{module}.py"]
+    up = {f"{f.relative_to(PKG.parent)}: {m}" for f in files for m in _pdd_imports(f)
+          if m == "pdd_serve.serve" or m.startswith("pdd_serve.serve.")}
+    assert not up, sorted(up)

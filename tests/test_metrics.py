@@ -189,18 +189,18 @@ def _headers(key: str | None) -> dict:
 
 
 def test_metrics_access_open_without_keys_admin_only_with_keys():
-    pm.check_metrics_access({}, ServerConfig())  # no keys: open, as vLLM's /metrics
+    oai.check_metrics_access({}, ServerConfig())  # no keys: open, as vLLM's /metrics
     keyed = ServerConfig(api_keys=("sk-user",), admin_api_keys=("sk-admin",))
-    pm.check_metrics_access(_headers("sk-admin"), keyed)
+    oai.check_metrics_access(_headers("sk-admin"), keyed)
     for key, status in ((None, 401), ("wrong", 401), ("sk-user", 403)):
         with pytest.raises(oai.APIError) as e:
-            pm.check_metrics_access(_headers(key), keyed)
+            oai.check_metrics_access(_headers(key), keyed)
         assert e.value.status == status
     # a graph that already shows every caller its cache hits lets every API key read the counters
     shown = ServerConfig(api_keys=("sk-user",), expose_cache_hits=True)
-    pm.check_metrics_access(_headers("sk-user"), shown)
+    oai.check_metrics_access(_headers("sk-user"), shown)
     with pytest.raises(oai.APIError) as e:
-        pm.check_metrics_access({}, shown)
+        oai.check_metrics_access({}, shown)
     assert e.value.status == 401
 
 

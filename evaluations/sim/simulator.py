@@ -45,10 +45,9 @@ from pdd_serve.policy import (
     plan_handoff,
     wan_backlog,
 )
-from pdd_serve.transport.link import BandwidthEstimator
+from pdd_serve.transport.link import BW_SAMPLE_MIN_BYTES, BandwidthEstimator
 
 INF = math.inf
-BW_SAMPLE_MIN_BYTES = 1 << 20  # pdd_serve.serve.prefill's: smaller transfers don't feed the estimate
 _NO_EVICT = 1 << 62  # the caches evict in bulk at a watermark (see _cache_insert), not per insert
 
 

@@ -524,6 +524,21 @@ def pdd_facts(info: Mapping[str, Any], creq: CompletionRequest) -> dict[str, Any
     return {k: v for k, v in info.items() if k not in CACHE_HIT_FIELDS}
 
 
+def check_metrics_access(headers: Mapping[str, str], server: Any) -> None:
+    """Who may read `/metrics` (raises APIError). With no API key configured (the
+    config allows that only on loopback or with `server.allow_insecure`) it is open, as vLLM's is.
+    With keys: an admin key (`server.admin_api_keys`); any API key only when the graph sets
+    `server.expose_cache_hits`, because the counters (`pdd_wan_bytes_total`, prompt tokens,
+    fallbacks) let a tenant who reads them around its own request tell whether its prefix was
+    cached: the fact the responses hide from non-admin callers."""
+    check_api_key(headers, server)  # 401 without a valid key, when keys are configured
+    if not _api_keys(server) or server.expose_cache_hits or is_admin(headers, server):
+        return
+    raise APIError(403, "permission_error", "/metrics needs one of server.admin_api_keys (its counters reveal "
+                       "cache hits); or set server.expose_cache_hits: true to let every API key read it",
+                       code="admin_key_required")
+
+
 def internal_error(e: BaseException, request_id: str) -> APIError:
     """What a client sees of a failure: a request it may fix (a RequestError, whose message is
     written for clients) as a 400; anything else as a generic 500 naming the request id, with the

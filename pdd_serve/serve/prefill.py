@@ -20,10 +20,9 @@ from pdd_serve.policy import wan_backlog
 from pdd_serve.serve.common import emulation_stats, load_engine, logger, placement
 from pdd_serve.serve.messages import KVTarget, LineState, PrefillRequest, PrefillResult, ReplicaStats
 from pdd_serve.serve.pinning import ROUTER_CLASS, this_replica
-from pdd_serve.transport.link import BandwidthEstimator
+from pdd_serve.transport.link import BW_SAMPLE_MIN_BYTES, BandwidthEstimator
 
 PREFILL_CHUNK_TOKENS = 256  # blocks of a chunk leave for MD while the next chunk computes
-BW_SAMPLE_MIN_BYTES = 1 << 20  # smaller transfers measure the line's delay more than its rate
 
 
 class LinkCut(ConnectionError):

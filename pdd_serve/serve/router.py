@@ -179,7 +179,7 @@ class Router:
         from pdd_serve import metrics as pm
 
         try:
-            pm.check_metrics_access(request.headers, self.cfg.server)
+            oai.check_metrics_access(request.headers, self.cfg.server)
         except oai.APIError as e:
             return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
         return Response(await pm.cluster_metrics_text(self.cfg.server.model_name), media_type=pm.CONTENT_TYPE)

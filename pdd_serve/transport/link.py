@@ -339,6 +339,11 @@ class LinkModel:
         return waited
 
 
+# a transfer smaller than this measures the line's delay more than its rate: it does not feed the
+# estimate (Prefill's sender and the simulator both apply it)
+BW_SAMPLE_MIN_BYTES = 1 << 20
+
+
 class BandwidthEstimator:
     """EWMA of observed throughput (bits/s), fed by transfers and read by the router. Thread-safe."""
 
