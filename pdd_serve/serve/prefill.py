@@ -170,17 +170,18 @@ class Prefill:
                                         deadline_s=self.cfg.real_s(fl.deadline_s),
                                         link=self.link if self.link.config.paced else None)
                 stats = client.push(request_id, iter(feed))
-                alone = alone and self.transfers["started"] == started  # none began meanwhile
-                self.transfers["done"] += 1
-                self.transfers["bytes"] += stats.bytes_sent
+                with self._send_lock:  # sender threads and stats readers share the counters
+                    alone = alone and self.transfers["started"] == started  # none began meanwhile
+                    self.transfers["done"] += 1
+                    self.transfers["bytes"] += stats.bytes_sent
                 if alone and stats.bytes_sent * self.kv_scale >= BW_SAMPLE_MIN_BYTES:  # emulated bytes, seconds
                     self.bw.observe(stats.bytes_sent * self.kv_scale, stats.seconds / self.cfg.time_scale)
             except UnknownRequestError:  # MD released it first (cancelled, or RLD finished it)
-                self.transfers["dropped"] += 1
+                self._count("dropped")
             except SenderAborted:  # prefill failed: MD was told (the client's `abort`)
-                self.transfers["aborted"] += 1
+                self._count("aborted")
             except Exception as e:  # MD's bounded wait turns this into a fallback
-                self.transfers["failed"] += 1
+                self._count("failed")
                 logger.warning("KV transfer of %s failed: %s", request_id, e)
             finally:
                 with self._send_lock:
@@ -188,6 +189,10 @@ class Prefill:
                 self.on_line.pop((request_id, id(feed)), None)
 
         threading.Thread(target=send, name=f"kv-send-{request_id}", daemon=True).start()
+
+    def _count(self, outcome: str) -> None:
+        with self._send_lock:
+            self.transfers[outcome] += 1
 
     def line_state(self) -> LineState:
         """The bytes this replica still has to push across the line, per transfer (a transfer
@@ -219,6 +224,8 @@ class Prefill:
 
     def stats(self) -> ReplicaStats:
         e = self.engine
+        with self._send_lock:  # one consistent snapshot of the sender threads' counters
+            transfers = dict(self.transfers)
         return ReplicaStats("prefill", self.worker.num_running, e.pool.num_free, e.pool.num_blocks,
                             e.cache.num_blocks, e.cache.stats.hit_rate,
-                            {**self.transfers, **emulation_stats(e), **self.where})
+                            {**transfers, **emulation_stats(e), **self.where})
