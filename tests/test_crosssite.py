@@ -150,3 +150,34 @@ def test_each_call_is_a_request_of_its_own_for_serves_request_router():
         assert serve_context._get_serve_request_context()._internal_request_id == "parent"  # untouched
     finally:
         serve_context._serve_request_context.reset(token)
+
+
+def test_a_slow_reader_holds_at_most_the_bound_and_loses_nothing(monkeypatch):
+    """A client that reads slowly (or a stalled Router) must not grow the stream's buffer without
+    limit: past the bound the remote stream is not pulled until the reader catches up."""
+    from pdd_serve.serve import crosssite
+
+    monkeypatch.setattr(crosssite, "STREAM_QUEUE_BOUND", 8)
+    n = 200
+    h = _Handle()
+    orig = _Method.remote
+
+    def many(self, *args):
+        s = orig(self, *args)
+        if isinstance(s, _Stream):
+            s.n, s.gap_s = n, 0.0
+        return s
+
+    monkeypatch.setattr(_Method, "remote", many)
+    far = CrossSiteHandle(h, LinkModel(one_way_latency_s=0.001))
+
+    async def main():
+        got = []
+        async for item in far.stream("decode", "r1"):
+            got.append(item)
+            if len(got) == 1:
+                await asyncio.sleep(0.3)  # the producer is free-running meanwhile: it must stop at 8
+        return got
+
+    assert asyncio.run(main()) == list(range(n))
+    assert 0 < far.max_stream_queue <= 8

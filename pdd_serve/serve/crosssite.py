@@ -22,6 +22,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 _END = object()
+# chunks a cross-site stream holds between the line and a slow reader: past it, the reader stops
+# pulling from the remote stream (backpressure, as a full TCP window), so a stalled client or
+# Router costs this much memory, not the whole response. Far above what one latency holds in flight.
+STREAM_QUEUE_BOUND = 256
 
 
 def _remote(handle: Any, method: str, session_id: str | None, args: tuple, stream: bool = False) -> Any:
@@ -53,6 +57,7 @@ class CrossSiteHandle:
     def __init__(self, handle: Any, link: Any) -> None:  # link: transport.link.LinkModel
         self.handle, self.link = handle, link
         self.messages = 0  # delayed messages, both ways (reported by the router's stats)
+        self.max_stream_queue = 0  # the most chunks any stream held at once (<= STREAM_QUEUE_BOUND)
 
     def delay_s(self) -> float:
         self.messages += 1
@@ -68,15 +73,19 @@ class CrossSiteHandle:
         """A streaming call; closing this generator cancels the remote stream at once."""
         await asyncio.sleep(self.delay_s())
         gen = _remote(self.handle, method, session_id, args, stream=True)
-        q: asyncio.Queue = asyncio.Queue()
+        q: asyncio.Queue = asyncio.Queue(maxsize=STREAM_QUEUE_BOUND)
 
-        async def read() -> None:  # records when each chunk arrived at the far end of the line
+        async def put(item: Any) -> None:  # stamped when it arrived at the far end of the line
+            await q.put((time.monotonic() + self.delay_s(), item))
+            self.max_stream_queue = max(self.max_stream_queue, q.qsize())
+
+        async def read() -> None:
             try:
                 async for item in gen:
-                    q.put_nowait((time.monotonic() + self.delay_s(), item))
-                q.put_nowait((time.monotonic() + self.delay_s(), _END))
+                    await put(item)  # a full queue: wait for the reader, pull no more meanwhile
+                await put(_END)
             except Exception as e:  # noqa: BLE001 - the failure crosses the line like a chunk
-                q.put_nowait((time.monotonic() + self.delay_s(), e))
+                await put(e)
 
         reader = asyncio.ensure_future(read())
         try:

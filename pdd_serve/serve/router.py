@@ -22,7 +22,7 @@ from pdd_serve.metrics import RouterMetrics
 from pdd_serve.policy import LinkEstimate
 from pdd_serve.serve import openai_api as oai
 from pdd_serve.serve.common import logger
-from pdd_serve.serve.crosssite import site_handle
+from pdd_serve.serve.crosssite import STREAM_QUEUE_BOUND, site_handle
 from pdd_serve.serve.messages import GenRequest
 from pdd_serve.serve.orchestrator import Orchestrator, RequestState, is_overloaded
 from pdd_serve.serve.pinning import ReplicaGone, live_replicas, pin, replica_stats
@@ -78,6 +78,11 @@ class ServeBackends:
     @property
     def control_messages_delayed(self) -> int:
         return sum(h.messages for h in (self.p, self.r, self.md) if h is not None)
+
+    @property
+    def max_stream_queue(self) -> int:
+        """The most chunks a cross-site stream held for a slow reader (bounded: STREAM_QUEUE_BOUND)."""
+        return max((getattr(h, "max_stream_queue", 0) for h in (self.p, self.r, self.md) if h is not None), default=0)
 
     def md_replicas(self):  # noqa: ANN201 - signatures in orchestrator.Backends
         return _live(self._md_id)
@@ -213,6 +218,7 @@ class Router:
                 "index_misses": self.orch.index_misses,
                 "control_messages_delayed": self.backends.control_messages_delayed,
                 "gone_pins_not_sent": self.backends.gone_pins,
+                "max_stream_queue": self.backends.max_stream_queue, "stream_queue_bound": STREAM_QUEUE_BOUND,
                 "wan_backlog_bytes": sum(line.backlog), **placement()}
 
     # ------------------------------------------------------------ request handling
