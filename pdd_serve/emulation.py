@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdd_serve.costmodel import (
     ChipSpec,
@@ -28,8 +29,9 @@ from pdd_serve.costmodel import (
     kv_capacity_tokens,
     prefill_time,
 )
+from pdd_serve.engine.protocol import FORWARD_KINDS, ForwardWork
 
-STEP_KINDS = ("prefill", "decode")  # prefill: any multi-token forward (prefill chunk, extend, resume)
+STEP_KINDS = FORWARD_KINDS  # prefill: any multi-token forward (prefill chunk, extend, resume)
 MEM_RESERVE_FRACTION = 0.1  # HBM kept for activations, graphs, fragmentation (the simulator's default)
 OVERRUN_WARN_SHARE = 0.05  # above this, a run measures the CPU, not the emulated chip
 
@@ -50,6 +52,12 @@ class Emulation:
     def decode_s(self, batch: int, ctx_total: int) -> float:
         """Emulated seconds of one decode step of `batch` sequences holding `ctx_total` tokens of KV."""
         return decode_step_time(self.chip, self.model, self.tp, batch, ctx_total)
+
+    def forward_s(self, work: ForwardWork) -> float:
+        """Emulated seconds of one forward an engine reported."""
+        if work.kind == "decode":
+            return self.decode_s(work.seqs, work.context_tokens)
+        return self.prefill_s(work.new_tokens, work.context_tokens)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -92,16 +100,25 @@ class StepPacer:
 
     def end(self, kind: str, t0: float, modeled_s: float) -> float:
         """Sleep out the rest of the modeled step; returns the real seconds slept."""
-        target = modeled_s * self.emulation.time_scale
-        spent = self.clock() - t0
-        rest = target - spent
+        return self.hold(t0, [(kind, modeled_s, self.clock() - t0)])
+
+    def hold(self, t0: float, forwards: list[tuple[str, float, float]]) -> float:
+        """One engine call that began at `t0` and ran `forwards` (kind, modeled seconds, real
+        seconds each): count each, then sleep out the rest of their modeled time since t0;
+        returns the real seconds slept. A forward whose real time exceeded its modeled time is an
+        overrun of its kind, never slept away."""
+        target = 0.0
         with self._lock:
-            st = self._stats[kind]
-            st.steps += 1
-            st.modeled_s += modeled_s
-            if rest < 0:
-                st.overruns += 1
-                st.overrun_s += -rest
+            for kind, modeled_s, real_s in forwards:
+                st = self._stats[kind]
+                st.steps += 1
+                st.modeled_s += modeled_s
+                over = real_s - modeled_s * self.emulation.time_scale
+                if over > 0:
+                    st.overruns += 1
+                    st.overrun_s += over
+                target += modeled_s * self.emulation.time_scale
+        rest = target - (self.clock() - t0)
         if rest > 0:
             self.sleep(rest)
             return rest
@@ -142,3 +159,54 @@ def merge_stats(parts: list[dict[str, float]]) -> dict[str, float]:
         n = out.get(f"{k}_steps", 0)
         out[f"overrun_share_{k}"] = out.get(f"{k}_overruns", 0) / n if n else 0.0
     return out
+
+
+class PacedEngine:
+    """An engine behind the seam (`engine.protocol.EngineBackend`) held to an emulated chip's
+    timing. Each call that computes (`prefill`, `extend`, `step`) returns no sooner than the
+    modeled time of the forwards the engine reported during it; a chunked prefill is held at every
+    chunk, before `on_chunk` lets that chunk's blocks leave, as on the chip. Everything else is
+    the engine's own (attribute access passes through). Only calls through this wrapper are paced."""
+
+    def __init__(self, engine: Any, pacer: StepPacer) -> None:
+        self.inner, self.pacer = engine, pacer
+        self._work: list[ForwardWork] = []
+        engine.on_forward = self._work.append  # runs on the engine thread, as every call here
+
+    def __getattr__(self, name: str) -> Any:  # only for names not set on the wrapper
+        return getattr(self.inner, name)
+
+    def _begin(self) -> float:
+        self._work.clear()  # forwards of an unpaced call (generate) are not this call's
+        return self.pacer.begin()
+
+    def _hold(self, t0: float) -> None:
+        work, emu = list(self._work), self.pacer.emulation
+        self._work.clear()
+        self.pacer.hold(t0, [(w.kind, emu.forward_s(w), w.real_s) for w in work])
+
+    def prefill(self, seq: Any, use_cache: bool = True, chunk_tokens: int | None = None,
+                on_chunk: Callable[[Any], None] | None = None) -> int:
+        t0 = [self._begin()]
+
+        def chunk(s: Any) -> None:  # the chunk's time is up before its blocks may leave
+            self._hold(t0[0])
+            t0[0] = self.pacer.begin()
+            if on_chunk is not None:
+                on_chunk(s)
+
+        tok = self.inner.prefill(seq, use_cache, chunk_tokens, chunk)
+        self._hold(t0[0])
+        return tok
+
+    def extend(self, seq: Any, token_ids: list[int], sample: bool = True) -> int | None:
+        t0 = self._begin()
+        tok = self.inner.extend(seq, token_ids, sample)
+        self._hold(t0)
+        return tok
+
+    def step(self, seqs: list[Any]) -> list[tuple[Any, int]]:
+        t0 = self._begin()
+        out = self.inner.step(seqs)
+        self._hold(t0)
+        return out

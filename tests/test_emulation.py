@@ -108,22 +108,75 @@ def test_overrun_is_counted_per_step_kind_and_never_slept_away() -> None:
 
 
 def test_engine_paces_every_forward_and_keeps_greedy_tokens(model_dir) -> None:
+    """Pacing sits above the engine seam: the engine reports each forward, PacedEngine holds the
+    call to its modeled time; the tokens are the engine's own."""
+    from pdd_serve.emulation import PacedEngine
     from pdd_serve.engine.engine import Engine
+    from pdd_serve.engine.protocol import EngineBackend
+    from pdd_serve.engine.sampling import SamplingParams
 
     ref = Engine.from_pretrained(model_dir)
     prompt = [(i * 7 + 3) % 500 + 10 for i in range(70)]
     want = ref.generate(prompt, 12)
-    eng = Engine.from_pretrained(model_dir)
     clk = FakeClock()
     emu = Emulation(H100, L70, 8, time_scale=1000)
-    eng.pacer = StepPacer(emu, clock=clk, sleep=clk.sleep)
-    assert eng.generate(prompt, 12) == want
+    eng = PacedEngine(Engine.from_pretrained(model_dir), StepPacer(emu, clock=clk, sleep=clk.sleep))
+    assert isinstance(eng, EngineBackend) and isinstance(ref, EngineBackend)
+    seq = eng.add("r", prompt, SamplingParams(12))
+    eng.prefill(seq)
+    while not seq.finished:
+        eng.step([seq])
+    assert seq.output_ids == want
     st = eng.pacer.stats()
     assert st["prefill_steps"] == 1 and st["decode_steps"] == 11
     # the modeled times are the cost model's for exactly these steps
     assert st["prefill_modeled_s"] == pytest.approx(emu.prefill_s(70, 0))
     assert st["decode_modeled_s"] == pytest.approx(sum(emu.decode_s(1, 70 + k) for k in range(11)))
     assert clk.slept[0] == pytest.approx(emu.prefill_s(70, 0) * 1000)
+    assert len(clk.slept) == 12
+
+
+class _FakeEngine:
+    """Reports the forwards a real engine would; records when on_chunk ran (fake clock)."""
+
+    def __init__(self, clk: FakeClock) -> None:
+        from pdd_serve.engine.protocol import ForwardWork
+
+        self.clk, self.on_forward, self.events, self.W = clk, None, [], ForwardWork
+        self.block_size = 16
+
+    def prefill(self, seq, use_cache=True, chunk_tokens=None, on_chunk=None):  # noqa: ANN001, ANN201
+        for start in range(0, 300, chunk_tokens or 300):
+            self.clk.t += 0.001  # the real forward
+            self.on_forward(self.W("prefill", 1, min(chunk_tokens or 300, 300 - start), start, 0.001))
+            if on_chunk is not None:
+                on_chunk(seq)
+        return 7
+
+    def step(self, seqs):  # noqa: ANN001, ANN201
+        self.on_forward(self.W("decode", 2, 2, 500, 0.5))  # a decode that overran its modeled time
+        self.on_forward(self.W("prefill", 1, 40, 0, 0.0001))  # and a resumed (recomputed) request
+        return [(s, 1) for s in seqs]
+
+
+def test_paced_engine_holds_each_chunk_before_its_blocks_leave_and_counts_per_kind() -> None:
+    from pdd_serve.emulation import PacedEngine
+
+    clk = FakeClock()
+    emu = Emulation(H100, L70, 8, time_scale=10)
+    fake = _FakeEngine(clk)
+    eng = PacedEngine(fake, StepPacer(emu, clock=clk, sleep=clk.sleep))
+    assert eng.block_size == 16  # everything else is the engine's
+    left: list[float] = []
+    assert eng.prefill("seq", chunk_tokens=100, on_chunk=lambda s: left.append(clk.t)) == 7
+    # each chunk's blocks leave when its modeled time is up, not when the CPU finished it
+    ends = [sum(emu.prefill_s(100, 100 * k) for k in range(i + 1)) * 10 for i in range(3)]
+    assert left == [pytest.approx(e) for e in ends]
+    eng.step(["a", "b"])
+    st = eng.pacer.stats()
+    assert (st["prefill_steps"], st["prefill_overruns"]) == (4, 0)
+    assert (st["decode_steps"], st["decode_overruns"]) == (1, 1)  # 0.5 s real vs a few ms modeled x 10
+    assert st["decode_modeled_s"] == pytest.approx(emu.decode_s(2, 500))
 
 
 # ---------------------------------------------------------------- slow motion and emulated bytes

@@ -144,3 +144,34 @@ def test_the_lower_layers_do_not_import_the_serve_layer(module: str):
     up = {f"{f.relative_to(PKG.parent)}: {m}" for f in files for m in _pdd_imports(f)
           if m == "pdd_serve.serve" or m.startswith("pdd_serve.serve.")}
     assert not up, sorted(up)
+
+
+def _engine_uses(path: Path) -> set[str]:
+    """Names used on an engine in `path`: `self.engine.X`, `engine.X`, and `e.X` where a function
+    did `e = self.engine`."""
+    used: set[str] = set()
+
+    def is_engine(node: ast.AST, aliases: set[str]) -> bool:
+        if isinstance(node, ast.Attribute) and node.attr == "engine" and isinstance(node.value, ast.Name) \
+                and node.value.id == "self":
+            return True
+        return isinstance(node, ast.Name) and (node.id == "engine" or node.id in aliases)
+
+    tree = ast.parse(path.read_text())
+    for fn in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))] or [tree]:
+        aliases = {t.id for n in ast.walk(fn) if isinstance(n, ast.Assign) and is_engine(n.value, set())
+                   for t in n.targets if isinstance(t, ast.Name)}
+        used |= {n.attr for n in ast.walk(fn) if isinstance(n, ast.Attribute) and is_engine(n.value, aliases)}
+    return used
+
+
+def test_the_serving_layer_speaks_only_the_engine_protocol():
+    """The seam a second engine (vLLM) goes behind: Prefill, Relay, Main decode and the batcher
+    use nothing of an engine that `EngineBackend` does not define."""
+    from pdd_serve.engine.protocol import engine_members
+
+    members = engine_members()
+    files = [*sorted((PKG / "serve").glob("*.py")), PKG / "engine" / "scheduler.py"]
+    found = {f.name: sorted(_engine_uses(f) - members) for f in files}
+    assert sum(len(_engine_uses(f)) for f in files) > 15  # the scan sees the engine calls
+    assert not any(found.values()), {k: v for k, v in found.items() if v}

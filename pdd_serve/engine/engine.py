@@ -10,6 +10,7 @@ No Ray here. The serving layer composes these operations:
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ from pdd_serve.engine.kv import (
     num_full_blocks,
 )
 from pdd_serve.engine.model import AttnContext, LlamaModel, ModelArgs, load_model
+from pdd_serve.engine.protocol import ForwardWork
 from pdd_serve.engine.radix_cache import RadixCache
 from pdd_serve.engine.sampling import RequestError, SamplingParams, sample
 
@@ -89,8 +91,9 @@ class Engine:
         self.num_preempted = 0  # sequences waiting to resume (they go before new admissions)
         self._decoding: dict[int, Sequence] = {}  # id -> sequence that `step` decodes: preemptible
         self.preemptions = 0  # total, for stats and tests
-        # emulated accelerator (pdd_serve/emulation.py): each forward is held to its modeled time
-        self.pacer = None  # StepPacer | None
+        # told of every forward this engine runs (the seam's report, `protocol.ForwardWork`): an
+        # emulated chip (`emulation.PacedEngine`) holds each call to the modeled time of that work
+        self.on_forward: Callable[[ForwardWork], None] | None = None
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: torch.dtype | str | None = None,
@@ -274,7 +277,7 @@ class Engine:
         compute its KV and sample the next. Requests may join or leave between steps."""
         if not seqs:
             return []
-        t0 = self.pacer.begin() if self.pacer is not None else 0.0  # the whole step is the chip's time
+        t0 = time.perf_counter()  # the whole step is the chip's time
         for s in seqs:
             if s.num_pending != 1:
                 raise RuntimeError(f"decode_step needs exactly one pending token, {s.request_id} has {s.num_pending}")
@@ -297,8 +300,8 @@ class Engine:
         for s in seqs:
             s.num_computed += 1
         toks = self._append_sampled(seqs, logits)
-        if self.pacer is not None:  # after sampling: the step's tokens exist before its time is up
-            self.pacer.end("decode", t0, self.pacer.emulation.decode_s(len(seqs), sum(pos)))
+        if self.on_forward is not None:  # after sampling: the step's tokens exist before its time is up
+            self.on_forward(ForwardWork("decode", len(seqs), len(seqs), sum(pos), time.perf_counter() - t0))
         return toks
 
     def _forward(self, seq: Sequence, end: int, sample: bool = True) -> int | None:
@@ -306,7 +309,7 @@ class Engine:
         `end` is the last token (`sample`)."""
         if seq.finished:
             raise RuntimeError(f"request {seq.request_id} is finished ({seq.finish_reason})")
-        t0 = self.pacer.begin() if self.pacer is not None else 0.0  # the whole forward is the chip's time
+        t0 = time.perf_counter()  # the whole forward is the chip's time
         if seq.preempted:  # recomputed from its token ids now (`resume`, or an extend that came first)
             seq.preempted, self.num_preempted = False, self.num_preempted - 1
         start = seq.num_computed
@@ -329,8 +332,8 @@ class Engine:
         logits = self.model(ids, pos[None], self.pool, ctx) if sample else self.model.fill_kv(ids, pos[None], self.pool, ctx)
         seq.num_computed = end
         tok = self._append_sampled([seq], logits)[0] if sample else None
-        if self.pacer is not None:
-            self.pacer.end("prefill", t0, self.pacer.emulation.prefill_s(end - start, start))
+        if self.on_forward is not None:
+            self.on_forward(ForwardWork("prefill", 1, end - start, start, time.perf_counter() - t0))
         return tok
 
     def _append_sampled(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:

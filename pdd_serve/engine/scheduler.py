@@ -15,7 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from pdd_serve.engine.engine import Engine, Sequence
+from pdd_serve.engine.engine import Sequence
+from pdd_serve.engine.protocol import EngineBackend
 
 T = TypeVar("T")
 
@@ -29,7 +30,7 @@ class StepOutput:
 
 
 class EngineWorker:
-    def __init__(self, engine: Engine, max_batch: int = 32) -> None:
+    def __init__(self, engine: EngineBackend, max_batch: int = 32) -> None:
         self.engine = engine
         self.max_batch = max_batch
         self._exec = ThreadPoolExecutor(1, thread_name_prefix="pdd-engine")

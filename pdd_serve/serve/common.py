@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 
 from pdd_serve.config import ModelConfig, PDDConfig
-from pdd_serve.emulation import Emulation, StepPacer
+from pdd_serve.emulation import Emulation, PacedEngine, StepPacer
 from pdd_serve.engine.engine import Engine
+from pdd_serve.engine.protocol import EngineBackend
 
 logger = logging.getLogger("pdd_serve")
 
@@ -14,7 +15,7 @@ SITE_LABEL = "pdd.site"
 
 
 def load_engine(model: ModelConfig, enable_prefix_cache: bool = True, threads: int = 1,
-                emulation: Emulation | None = None) -> Engine:
+                emulation: Emulation | None = None) -> EngineBackend:
     """Each replica gets a thread budget: several replicas share few cores on one machine.
 
     `model` is the role's effective config (`PDDConfig.engine_for(role)`); its `threads`, when the
@@ -49,15 +50,15 @@ def load_engine(model: ModelConfig, enable_prefix_cache: bool = True, threads: i
         kv_cache_bytes=kv_bytes, prefix_cache_bytes=prefix_bytes, enable_prefix_cache=enable_prefix_cache,
     )
     engine.warmup()
-    if emulation is not None:
-        engine.pacer = StepPacer(emulation)  # after warmup: its first-call costs are not the chip's
+    if emulation is not None:  # pacing sits above the engine seam; after warmup: its costs are not the chip's
+        return PacedEngine(engine, StepPacer(emulation))
     return engine
 
 
 
-def emulation_stats(engine: Engine) -> dict:
+def emulation_stats(engine: EngineBackend) -> dict:
     """The pacer's per-step-kind counts (steps, overruns, modeled seconds) for a replica's stats."""
-    p = engine.pacer
+    p = getattr(engine, "pacer", None)  # a PacedEngine's
     if p is None:
         return {}
     # the pool admission sees: the emulated chips' KV room, or less when kv_cache_bytes caps it

@@ -1,0 +1,113 @@
+"""The engine seam: what PDD's deployments need from an engine, as one typed protocol.
+
+Prefill, Relay and Main decode (and `EngineWorker`, which batches decode for them) speak only
+`EngineBackend`; `tests/test_layout.py` checks that they touch nothing else. Our torch `Engine` is
+the reference implementation; an engine users already run (vLLM, issue 22) goes behind the same
+protocol, with its KV moved in our block format (`export_kv` / `import_kv`).
+
+Emulated chips sit *above* the seam (`emulation.PacedEngine`): an engine only reports each forward
+it ran (`on_forward(ForwardWork)`: what kind, how many sequences and tokens, how much context,
+how long it really took), and the pacer holds the engine call to the modeled time of that work.
+So pacing needs nothing from an engine's internals, only that it can say what it computed (vLLM's
+scheduler output says the same: tokens scheduled per request, and their computed context).
+
+Pure: no torch at import (the protocol names the engine's types for checkers only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from pdd_serve.engine.engine import Sequence
+    from pdd_serve.engine.kv import KVBlocks, KVLayout
+    from pdd_serve.engine.sampling import SamplingParams
+
+FORWARD_KINDS = ("prefill", "decode")  # prefill: any multi-token forward (chunk, extend, resume)
+
+
+@dataclass(frozen=True)
+class ForwardWork:
+    """One forward an engine ran, as it reports it through `on_forward`."""
+
+    kind: str  # "prefill" (one sequence, several new tokens) | "decode" (a batch, one token each)
+    seqs: int
+    new_tokens: int  # tokens whose KV this forward computed
+    context_tokens: int  # KV it attended over before them (decode: summed over the batch)
+    real_s: float  # wall seconds the forward took on this machine
+
+    def __post_init__(self) -> None:
+        if self.kind not in FORWARD_KINDS:
+            raise ValueError(f"kind must be one of {FORWARD_KINDS}, got {self.kind!r}")
+        if self.seqs < 1 or self.new_tokens < 1 or self.context_tokens < 0 or self.real_s < 0:
+            raise ValueError(f"a forward computes >= 1 token of >= 1 sequence: {self}")
+
+
+class PoolView(Protocol):
+    """The KV block pool, as the deployments' stats and admission read it."""
+
+    num_free: int
+    num_blocks: int
+
+
+class CacheView(Protocol):
+    """The prefix cache, as the router's DRC view reads it (block hashes, change counters)."""
+
+    nodes: Any  # block hash -> node: the cached prefix blocks, by the chained hash PDD routes on
+    stats: Any  # inserted_blocks, evicted_blocks, hit_rate
+    num_blocks: int
+
+
+@runtime_checkable
+class EngineBackend(Protocol):
+    """The contract. Every method runs on the engine's one thread (`EngineWorker.call`)."""
+
+    block_size: int
+    layout: KVLayout
+    pool: PoolView
+    cache: CacheView | None  # None: no prefix cache (no DRC)
+    on_forward: Callable[[ForwardWork], None] | None
+    preemptions: int  # requests preempted for lack of KV blocks, in total (stats)
+
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+        """Admit a request (raises PoolFullError when its KV can't fit now)."""
+
+    def match_prefix(self, seq: Sequence, max_blocks: int | None = None) -> int:
+        """Adopt the longest cached prefix (at most max_blocks); returns the tokens it covers."""
+
+    def prefill(self, seq: Sequence, use_cache: bool = True, chunk_tokens: int | None = None,
+                on_chunk: Callable[[Sequence], None] | None = None) -> int:
+        """Compute the prompt's KV (chunked: on_chunk after each chunk) and sample the first token."""
+
+    def extend(self, seq: Sequence, token_ids: list[int], sample: bool = True) -> int | None:
+        """One forward over committed token ids on top of the KV held (the token-id handoff)."""
+
+    def append_tokens(self, seq: Sequence, token_ids: Iterable[int]) -> None:
+        """Append tokens whose KV is not computed yet (the relay's first token)."""
+
+    def step(self, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
+        """One batched decode step (preempting and resuming as the pool allows)."""
+
+    def release(self, seq: Sequence, cache: bool = True) -> None:
+        """Free a request's blocks (offering them to the prefix cache when `cache`)."""
+
+    def export_kv(self, seq: Sequence, start_block: int = 0, end_block: int | None = None) -> KVBlocks:
+        """Copy out blocks [start_block, end_block) of a request's KV in PDD's block format."""
+
+    def import_kv(self, seq: Sequence, blocks: KVBlocks, verify: bool = True) -> None:
+        """Load received blocks (checksums verified unless a hop already did) as computed KV."""
+
+    def warmup(self) -> None:
+        """Run the first-call costs (kernels, allocations) before serving."""
+
+
+def engine_members() -> frozenset[str]:
+    """Every name the protocol defines: what the serving layer may use of an engine."""
+    names: set[Hashable] = set(EngineBackend.__annotations__)
+    names |= {n for n, v in vars(EngineBackend).items() if callable(v) and not n.startswith("_")}
+    return frozenset(str(n) for n in names)
+
+
+__all__ = ["CacheView", "EngineBackend", "FORWARD_KINDS", "ForwardWork", "PoolView", "engine_members"]
