@@ -437,3 +437,70 @@ def test_relay_share_follows_the_pools_live_replicas(cfg, monkeypatch: pytest.Mo
         assert relay.max_running == 1
     finally:
         relay.worker._exec.shutdown(wait=True)
+
+
+# ---------------------------------------------------------------- no orphaned prefill work
+
+
+def _long_req(rid: str) -> GenRequest:  # two prefill chunks (256 + 144 tokens)
+    return GenRequest(rid, tuple(3 + (i * 37) % 500 for i in range(400)), SamplingParams(4, ignore_eos=True))
+
+
+def test_a_prefill_past_its_budget_stops_at_a_chunk_and_frees_its_blocks(cfg) -> None:
+    """The Router gave up on this call (its budget passed): the engine stops at the next chunk
+    boundary instead of computing the whole prompt for nobody, and every block is freed."""
+    from pdd_serve.serve.messages import PrefillRequest
+    from pdd_serve.serve.prefill import Prefill, PrefillAbandoned
+
+    prefill = Prefill.func_or_class(cfg)
+    free = prefill.engine.pool.num_free
+    forwards = []
+    prefill.engine.on_forward = forwards.append  # the seam's report: one per chunk computed
+    try:
+        with pytest.raises(PrefillAbandoned, match="past the router's budget"):
+            asyncio.run(prefill.prefill(PrefillRequest(_long_req("late"), False, None, budget_s=1e-6)))
+        ok = asyncio.run(prefill.prefill(PrefillRequest(_req("in-time"), False, None, budget_s=60)))
+    finally:
+        prefill.worker._exec.shutdown(wait=True)
+    assert ok.first_token >= 0
+    assert len(forwards) == 1  # the 100-token request's; the late one stopped before its first chunk
+    assert prefill.abandoned == 1 and prefill.stats().extra["prefills_abandoned"] == 1
+    e = prefill.engine
+    assert e.pool.num_free + e.cache.num_blocks >= free  # no block leaked: free, or cached (the finished prompt)
+    assert prefill.prefilling == 0
+
+
+def test_a_cancelled_prefill_call_stops_its_engine_job(cfg) -> None:
+    """The caller went away (Serve cancels the replica's coroutine): the job already on the engine
+    thread stops at its next chunk and frees its blocks; before, it ran the whole prompt."""
+    from pdd_serve.serve.messages import PrefillRequest
+    from pdd_serve.serve.prefill import Prefill
+
+    prefill = Prefill.func_or_class(cfg)
+    free = prefill.engine.pool.num_free
+    chunks = []
+    started, gate = threading.Event(), threading.Event()
+
+    def on_forward(w) -> None:  # noqa: ANN001 - holds the engine thread after the first chunk
+        chunks.append(w)
+        started.set()
+        gate.wait(10)
+
+    prefill.engine.on_forward = on_forward
+
+    async def main() -> None:
+        task = asyncio.create_task(prefill.prefill(PrefillRequest(_long_req("gone"), False, None, budget_s=60)))
+        await _until(started.is_set)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        gate.set()
+
+    try:
+        asyncio.run(main())
+    finally:
+        prefill.worker._exec.shutdown(wait=True)  # the job has ended either way
+    assert len(chunks) == 1, f"{len(chunks)} chunks computed after the cancel"
+    assert prefill.abandoned == 1 and prefill.prefilling == 0
+    # the chunk computed before the stop is offered to the prefix cache (a retry reuses it); the rest is free
+    assert prefill.engine.pool.num_free + prefill.engine.cache.num_blocks >= free

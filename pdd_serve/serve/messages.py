@@ -80,6 +80,10 @@ class PrefillRequest:
     req: GenRequest
     to_relay: bool  # put the whole prompt KV in the object store for Relay
     md_target: KVTarget | None  # stream the missing blocks to MD (None: P->RLD, no WAN transfer)
+    # the Router's wait for this call, real seconds: past it the Router has given up (and may retry
+    # elsewhere), so Prefill stops the work at its next chunk and frees the blocks. A budget, not a
+    # deadline: the sites' clocks are not comparable, each side counts from when it got the call
+    budget_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -729,7 +729,7 @@ class Orchestrator:
         last: Exception | None = None
         for attempt in range(1 + self.cfg.policy.prefill_retries):
             try:
-                return await self._bounded(self.b.prefill(preq), "prefill")
+                return await self._bounded(self.b.prefill(replace(preq, budget_s=self.timeout)), "prefill")
             except (RequestError, ValueError):
                 raise  # the request itself is bad: no retry helps
             except Exception as e:  # noqa: BLE001

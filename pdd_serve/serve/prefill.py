@@ -29,6 +29,27 @@ class LinkCut(ConnectionError):
     """An injected cut of the inter-site link (tests and the soak)."""
 
 
+class PrefillAbandoned(TimeoutError):
+    """The prefill stopped: its budget ran out, or its caller went away."""
+
+
+class _Stop:
+    """When a prefill's work is no longer wanted: checked on the engine thread between chunks."""
+
+    def __init__(self, deadline: float | None) -> None:
+        self.deadline = deadline  # time.monotonic() on this replica
+        self.cancelled = threading.Event()
+
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() > self.deadline
+
+    def check(self, request_id: str) -> None:
+        if self.cancelled.is_set():
+            raise PrefillAbandoned(f"prefill of {request_id} stopped: its caller went away")
+        if self.expired():
+            raise PrefillAbandoned(f"prefill of {request_id} stopped: past the router's budget")
+
+
 class _BlockFeed:
     """Hands a request's finished blocks from the engine thread to its Flight sender thread."""
 
@@ -99,6 +120,7 @@ class Prefill:
         # The sender knows the line's backlog; routers poll `line_state` and plan with it
         self.on_line: dict[tuple[str, int], tuple[int, float]] = {}  # by (request, transfer): a resend is its own
         self.prefilling = 0  # prefill calls in progress (the routing stats' load)
+        self.abandoned = 0  # prefills stopped early: past the router's budget, or the caller gone
         self.replica = this_replica()
         self._send_lock = threading.Lock()
         self.faults: dict[str, list[tuple[str, float]]] = {}
@@ -120,6 +142,11 @@ class Prefill:
         t0 = time.perf_counter()
         kv_ref = None
         self.prefilling += 1
+        # the Router stops waiting after its budget (and may retry elsewhere); the caller may also
+        # go away (Serve cancels this call): either way the engine stops at its next chunk, not
+        # after the whole prompt, and frees the blocks, so a timeout under overload does not leave
+        # a duplicate of its work running
+        stop = _Stop(None if preq.budget_s is None else time.monotonic() + preq.budget_s)
         try:
             def on_chunk(s: Sequence) -> None:
                 if die is not None:  # injected: the process dies mid-prefill, as on a lost host
@@ -127,11 +154,13 @@ class Prefill:
                     os._exit(1)
                 if feed is not None:
                     feed.on_chunk(self.engine, s)
+                stop.check(req.request_id)
 
-            first, finish, kv = await self.worker.call(self._prefill_once, seq, on_chunk, preq.to_relay)
+            first, finish, kv = await self.worker.call(self._prefill_once, seq, on_chunk, preq.to_relay, stop)
             if kv is not None:  # a full copy into the object store: off the event loop
                 kv_ref = await asyncio.to_thread(put_kv, kv)
         except BaseException as e:
+            stop.cancelled.set()  # a call cancelled while its job waits or runs: the job stops too
             if feed is not None:  # after its last block this changes nothing: the transfer is whole
                 feed.abort(f"prefill of {req.request_id} failed: {type(e).__name__}")
             raise
@@ -142,14 +171,19 @@ class Prefill:
                              wan, kv_ref, self.bw.bps)
 
     def _prefill_once(self, seq: Sequence, on_chunk: Callable[[Sequence], None],
-                      to_relay: bool) -> tuple[int, str | None, KVBlocks | None]:
+                      to_relay: bool, stop: _Stop | None = None) -> tuple[int, str | None, KVBlocks | None]:
         """On the engine thread: prefill, export the prompt's KV for the relay and release, as one
         call. As three queued calls, a request came back only after every prefill submitted before
         its release: in a burst, the first request waited for the whole burst's prefill."""
         try:
+            if stop is not None:  # queued behind a burst past its budget, or its caller gone: skip it
+                stop.check(seq.request_id)
             first = self.engine.prefill(seq, chunk_tokens=PREFILL_CHUNK_TOKENS, on_chunk=on_chunk)
             finish = seq.finish_reason  # read before release, which marks unfinished sequences aborted
             return first, finish, (self.engine.export_kv(seq) if to_relay else None)
+        except PrefillAbandoned:
+            self.abandoned += 1  # on the engine thread, where the work stopped
+            raise
         finally:
             self.engine.release(seq)
 
@@ -228,4 +262,4 @@ class Prefill:
             transfers = dict(self.transfers)
         return ReplicaStats("prefill", self.worker.num_running, e.pool.num_free, e.pool.num_blocks,
                             e.cache.num_blocks, e.cache.stats.hit_rate,
-                            {**transfers, **emulation_stats(e), **self.where})
+                            {**transfers, "prefills_abandoned": self.abandoned, **emulation_stats(e), **self.where})
