@@ -504,3 +504,22 @@ def test_a_cancelled_prefill_call_stops_its_engine_job(cfg) -> None:
     assert prefill.abandoned == 1 and prefill.prefilling == 0
     # the chunk computed before the stop is offered to the prefix cache (a retry reuses it); the rest is free
     assert prefill.engine.pool.num_free + prefill.engine.cache.num_blocks >= free
+
+
+def test_admission_runs_on_the_engine_thread(cfg, md) -> None:
+    """`engine.add` reads the pool and the prefix cache the engine thread changes, and hashes the
+    whole prompt: Prefill and Main decode run it on the engine thread, never on the event loop."""
+    from pdd_serve.serve.messages import PrefillRequest
+    from pdd_serve.serve.prefill import Prefill
+
+    prefill = Prefill.func_or_class(cfg)
+    adds = {"prefill": _Recorder(prefill.engine.add), "md": _Recorder(md.engine.add)}
+    prefill.engine.add, md.engine.add = adds["prefill"], adds["md"]
+    try:
+        asyncio.run(prefill.prefill(PrefillRequest(_req("adm-p"), False, None)))
+        asyncio.run(md.prepare(_req("adm-md")))
+        assert asyncio.run(md.abort("adm-md"))
+    finally:
+        prefill.worker._exec.shutdown(wait=True)
+    calls = [c for r in adds.values() for c in r.calls]
+    assert len(calls) == 2 and all(name.startswith("pdd-engine") and not on_loop for name, on_loop in calls), calls

@@ -91,7 +91,9 @@ class MainDecode:
             self._refuse_if_aborted(req)
             if rid in self.seqs:  # a re-delivery after a lost transfer: start the request over
                 await self._drop(rid, cache=False)
-            seq = self.engine.add(rid, list(req.prompt_token_ids), req.params)
+            # on the engine thread: admission reads the pool and the cache it changes, and hashes the prompt
+            seq = await self.worker.call(self.engine.add, rid, list(req.prompt_token_ids), req.params)
+            self._refuse_if_aborted(req)  # an abort that landed during the await (nothing held yet)
         except BaseException:
             self._wake(rid)  # a call that overtook this prepare learns at once that it failed
             raise

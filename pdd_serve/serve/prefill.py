@@ -130,7 +130,9 @@ class Prefill:
         from pdd_serve.transport.object_store import put_kv
 
         req = preq.req
-        seq = self.engine.add(req.request_id, list(req.prompt_token_ids), req.params)
+        # admission reads the pool and the prefix cache the engine thread changes, and hashes the
+        # prompt: on the engine thread, not the event loop
+        seq = await self.worker.call(self.engine.add, req.request_id, list(req.prompt_token_ids), req.params)
         feed = _BlockFeed(preq.md_target, self._take_fault("link")) if preq.md_target is not None else None
         die = self._take_fault("die_in_prefill")
         if feed is not None:

@@ -65,9 +65,13 @@ class Relay:
             # admission control: an overloaded relay pool is how PDD fails (PDD.md), so refuse
             raise RelaySaturated(f"relay replica holds {len(self.live)} requests, its share of "
                                  f"policy.relay_max_running ({self.max_running})")
-        seq = self.engine.add(req.request_id, list(req.prompt_token_ids), req.params)
-        self.live.add(req.request_id)
+        self.live.add(req.request_id)  # counted before any await: the check above stays atomic
         self.peak_live = max(self.peak_live, len(self.live))
+        try:  # admission reads the pool and the cache and hashes the prompt: on the engine thread
+            seq = await self.worker.call(self.engine.add, req.request_id, list(req.prompt_token_ids), req.params)
+        except BaseException:
+            self.live.discard(req.request_id)
+            raise
         final: TokenChunk | None = None
         try:
             # a local object store read (zero-copy); off the event loop so other streams keep flowing
