@@ -9,6 +9,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from ray import serve
 
@@ -22,6 +23,7 @@ from pdd_serve.serve.messages import KVTarget, LineState, PrefillRequest, Prefil
 from pdd_serve.serve.pinning import ROUTER_CLASS, this_replica
 from pdd_serve.transport.link import BW_SAMPLE_MIN_BYTES, BandwidthEstimator
 
+MAX_SENDERS = 32  # KV transfers a Prefill replica runs at once (more share the line no faster)
 PREFILL_CHUNK_TOKENS = 256  # blocks of a chunk leave for MD while the next chunk computes
 
 
@@ -123,6 +125,10 @@ class Prefill:
         self.abandoned = 0  # prefills stopped early: past the router's budget, or the caller gone
         self.replica = this_replica()
         self._send_lock = threading.Lock()
+        # one bounded pool of sender threads per replica, not a thread per transfer: past
+        # MAX_SENDERS transfers at once, a transfer waits its turn (its blocks wait in its feed,
+        # MD's bounded wait decides) instead of each adding a thread
+        self._senders = ThreadPoolExecutor(MAX_SENDERS, thread_name_prefix="kv-send")
         self.faults: dict[str, list[tuple[str, float]]] = {}
         self.transfers = {"started": 0, "done": 0, "failed": 0, "dropped": 0, "aborted": 0, "bytes": 0}
 
@@ -224,7 +230,7 @@ class Prefill:
                     self.sending -= 1
                 self.on_line.pop((request_id, id(feed)), None)
 
-        threading.Thread(target=send, name=f"kv-send-{request_id}", daemon=True).start()
+        self._senders.submit(send)
 
     def _count(self, outcome: str) -> None:
         with self._send_lock:
