@@ -252,6 +252,16 @@ def up(cfg: HostsConfig = HostsConfig(), log: Any = print) -> dict[str, Any]:
     return state
 
 
+def _ours(pid: int, marks: tuple[str, ...]) -> bool:
+    """Whether `pid` is still the process `up` started (its command line names the host's files or
+    the wheel server): a state file that outlived a reboot must not make root kill a stranger."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return False
+    return any(m in cmd for m in marks)
+
+
 def _kill(pid: int, grace_s: float = 3.0) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGTERM)
@@ -271,12 +281,13 @@ def down(cfg: HostsConfig = HostsConfig(), log: Any = print) -> dict[str, Any]:
     """Remove everything `up` made except the key and the wheel cache; idempotent. Returns what is
     left (empty lists when the machine is as before `up`)."""
     state = _load_state(cfg)
-    if state.get("wheel_server_pid"):
-        _kill(int(state["wheel_server_pid"]))
+    pid = state.get("wheel_server_pid")
+    if pid and _ours(int(pid), (f"--bind {cfg.bridge_ip}",)):
+        _kill(int(pid))
     for name, _ip in cfg.hosts:
         ns = cfg.netns(name)
         pid = (state.get("hosts") or {}).get(name, {}).get("sshd_pid")
-        if pid:  # the host's PID-namespace init goes, and the kernel ends every process under it
+        if pid and _ours(int(pid), (str(cfg.dir(name)), ns)):  # its init goes, and every process under it
             _kill(int(pid), grace_s=3.0)
         if netns_exists(ns):
             _kill_netns(ns)

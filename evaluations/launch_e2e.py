@@ -35,6 +35,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -101,12 +102,18 @@ class Launch:
             f.write(f"$ {' '.join(cmd)}\n".encode())
             f.flush()
             start = f.tell()
+            # a session of its own: a timeout ends the command's ssh and rsync children too
+            p = subprocess.Popen(cmd, cwd=REPO, env=self.env, stdin=subprocess.DEVNULL, stdout=f,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
             try:
-                r = subprocess.run(cmd, cwd=REPO, env=self.env, stdin=subprocess.DEVNULL, stdout=f,
-                                   stderr=subprocess.STDOUT, timeout=timeout_s)
+                rc = p.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
                 raise LaunchE2EError(step, f"`{' '.join(cmd[:4])} ...` did not finish in {timeout_s:.0f}s "
                                            f"(its output: {log_path})") from None
+            r = subprocess.CompletedProcess(cmd, rc)
         with open(log_path, "rb") as f:
             f.seek(start)
             r.stdout = f.read().decode(errors="replace")
@@ -298,15 +305,18 @@ def _teardown(cfg: LaunchE2EConfig, launch: Launch, ray_up_started: bool, ssh_di
     res: dict[str, Any] = {"ssh_logins": _ssh_logins(cfg.hosts)}
     res["ssh_used"] = ray_up_started and all(res["ssh_logins"].get(n, 0) > 0 for n, _ in cfg.hosts.hosts)
     t0 = time.monotonic()
-    if ray_up_started:
+    if ray_up_started:  # each step on its own: one failing does not skip the next
         _log("ray down ...")
         try:
             r = launch.ray("ray down", "down", "-y", cfg.config, timeout_s=300, check=False)
             res["ray_down_rc"] = r.returncode
-        except LaunchE2EError as e:
+        except (LaunchE2EError, OSError) as e:
             res["ray_down_rc"] = None
-            _log(str(e))
-    hosts_down(cfg.hosts, log=_log)  # ends whatever `ray down` did not (the hosts' PID namespaces)
+            _log(f"ray down: {e}")
+    try:
+        hosts_down(cfg.hosts, log=_log)  # ends whatever `ray down` did not (the hosts' PID namespaces)
+    except Exception as e:  # noqa: BLE001 - reported through the leftovers below
+        _log(f"hosts down: {type(e).__name__}: {e}")
     new_ssh = _ssh_control_dirs() - ssh_dirs_before
     for d in new_ssh:
         shutil.rmtree(d, ignore_errors=True)

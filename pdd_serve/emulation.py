@@ -117,7 +117,9 @@ class StepPacer:
                 if over > 0:
                     st.overruns += 1
                     st.overrun_s += over
-                target += modeled_s * self.emulation.time_scale
+                # each forward takes the longer of its real and its modeled time, as if held on its
+                # own: one that overran does not eat the modeled time of the next in the same call
+                target += max(real_s, modeled_s * self.emulation.time_scale)
         rest = target - (self.clock() - t0)
         if rest > 0:
             self.sleep(rest)
@@ -168,13 +170,26 @@ class PacedEngine:
     chunk, before `on_chunk` lets that chunk's blocks leave, as on the chip. Everything else is
     the engine's own (attribute access passes through). Only calls through this wrapper are paced."""
 
+    _OWN = ("inner", "pacer", "_work")
+
     def __init__(self, engine: Any, pacer: StepPacer) -> None:
-        self.inner, self.pacer = engine, pacer
-        self._work: list[ForwardWork] = []
+        object.__setattr__(self, "inner", engine)
+        object.__setattr__(self, "pacer", pacer)
+        object.__setattr__(self, "_work", [])
         engine.on_forward = self._work.append  # runs on the engine thread, as every call here
 
     def __getattr__(self, name: str) -> Any:  # only for names not set on the wrapper
+        if name in PacedEngine._OWN:  # not set yet (a copy, an unpickle): no recursion through inner
+            raise AttributeError(name)
         return getattr(self.inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Attributes are the engine's (a test replacing `add` replaces the engine's); its
+        `on_forward` is this wrapper's, which pacing depends on."""
+        if name == "on_forward":
+            raise AttributeError("a PacedEngine's engine reports its forwards to the pacer: wrap the engine "
+                                 "before pacing it, or read pacer.stats()")
+        setattr(self.inner, name, value)
 
     def _begin(self) -> float:
         self._work.clear()  # forwards of an unpaced call (generate) are not this call's
@@ -195,18 +210,21 @@ class PacedEngine:
             if on_chunk is not None:
                 on_chunk(s)
 
-        tok = self.inner.prefill(seq, use_cache, chunk_tokens, chunk)
-        self._hold(t0[0])
-        return tok
+        try:
+            return self.inner.prefill(seq, use_cache, chunk_tokens, chunk)
+        finally:  # a call that failed after computing still held the chip (and is counted)
+            self._hold(t0[0])
 
     def extend(self, seq: Any, token_ids: list[int], sample: bool = True) -> int | None:
         t0 = self._begin()
-        tok = self.inner.extend(seq, token_ids, sample)
-        self._hold(t0)
-        return tok
+        try:
+            return self.inner.extend(seq, token_ids, sample)
+        finally:
+            self._hold(t0)
 
     def step(self, seqs: list[Any]) -> list[tuple[Any, int]]:
         t0 = self._begin()
-        out = self.inner.step(seqs)
-        self._hold(t0)
-        return out
+        try:
+            return self.inner.step(seqs)
+        finally:
+            self._hold(t0)

@@ -154,6 +154,7 @@ class _FakeEngine:
         return 7
 
     def step(self, seqs):  # noqa: ANN001, ANN201
+        self.clk.t += 0.5001  # the real forwards below
         self.on_forward(self.W("decode", 2, 2, 500, 0.5))  # a decode that overran its modeled time
         self.on_forward(self.W("prefill", 1, 40, 0, 0.0001))  # and a resumed (recomputed) request
         return [(s, 1) for s in seqs]
@@ -172,7 +173,14 @@ def test_paced_engine_holds_each_chunk_before_its_blocks_leave_and_counts_per_ki
     # each chunk's blocks leave when its modeled time is up, not when the CPU finished it
     ends = [sum(emu.prefill_s(100, 100 * k) for k in range(i + 1)) * 10 for i in range(3)]
     assert left == [pytest.approx(e) for e in ends]
+    t = clk.t
     eng.step(["a", "b"])
+    # the overrun decode takes its real 0.5 s; the resume still takes its own modeled time after it
+    assert clk.t - t == pytest.approx(0.5 + emu.prefill_s(40, 0) * 10)
+    with pytest.raises(AttributeError, match="reports its forwards to the pacer"):
+        eng.on_forward = print
+    eng.block_size = 32  # any other attribute is the engine's
+    assert fake.block_size == 32
     st = eng.pacer.stats()
     assert (st["prefill_steps"], st["prefill_overruns"]) == (4, 0)
     assert (st["decode_steps"], st["decode_overruns"]) == (1, 1)  # 0.5 s real vs a few ms modeled x 10

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
+import time
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -459,12 +460,20 @@ def test_a_prefill_past_its_budget_stops_at_a_chunk_and_frees_its_blocks(cfg) ->
     try:
         with pytest.raises(PrefillAbandoned, match="past the router's budget"):
             asyncio.run(prefill.prefill(PrefillRequest(_long_req("late"), False, None, budget_s=1e-6)))
+
+        async def queued() -> None:  # the engine thread is busy past the budget: the call never runs
+            busy = asyncio.ensure_future(prefill.worker.call(time.sleep, 1.0))
+            with pytest.raises(PrefillAbandoned, match="past the router's budget"):
+                await prefill.prefill(PrefillRequest(_long_req("queued"), False, None, budget_s=0.3))
+            await busy
+
+        asyncio.run(queued())
         ok = asyncio.run(prefill.prefill(PrefillRequest(_req("in-time"), False, None, budget_s=60)))
     finally:
         prefill.worker._exec.shutdown(wait=True)
     assert ok.first_token >= 0
-    assert len(forwards) == 1  # the 100-token request's; the late one stopped before its first chunk
-    assert prefill.abandoned == 1 and prefill.stats().extra["prefills_abandoned"] == 1
+    assert len(forwards) == 1  # the 100-token request's; the late ones stopped before their first chunk
+    assert prefill.abandoned == 2 and prefill.stats().extra["prefills_abandoned"] == 2
     e = prefill.engine
     assert e.pool.num_free + e.cache.num_blocks >= free  # no block leaked: free, or cached (the finished prompt)
     assert prefill.prefilling == 0

@@ -23,8 +23,10 @@ from typing import Any
 
 _END = object()
 # chunks a cross-site stream holds between the line and a slow reader: past it, the reader stops
-# pulling from the remote stream (backpressure, as a full TCP window), so a stalled client or
-# Router costs this much memory, not the whole response. Far above what one latency holds in flight.
+# pulling from the remote stream. Far above what one latency holds in flight. What this bounds is
+# the Router's own queue; Ray's streaming generator below it still buffers what the replica
+# yields (Serve sets no generator backpressure), so the remote end is not slowed yet: a stalled
+# reader's response accumulates there, in the Router's process, until its stream is closed.
 STREAM_QUEUE_BOUND = 256
 
 

@@ -19,7 +19,14 @@ from pdd_serve.engine.kv import KVBlocks, blocks_needed, num_full_blocks
 from pdd_serve.engine.scheduler import EngineWorker
 from pdd_serve.policy import wan_backlog
 from pdd_serve.serve.common import emulation_stats, load_engine, logger, placement
-from pdd_serve.serve.messages import KVTarget, LineState, PrefillRequest, PrefillResult, ReplicaStats
+from pdd_serve.serve.messages import (
+    GenRequest,
+    KVTarget,
+    LineState,
+    PrefillRequest,
+    PrefillResult,
+    ReplicaStats,
+)
 from pdd_serve.serve.pinning import ROUTER_CLASS, this_replica
 from pdd_serve.transport.link import BW_SAMPLE_MIN_BYTES, BandwidthEstimator
 
@@ -41,6 +48,7 @@ class _Stop:
     def __init__(self, deadline: float | None) -> None:
         self.deadline = deadline  # time.monotonic() on this replica
         self.cancelled = threading.Event()
+        self.started = False  # the prefill job began on the engine thread
 
     def expired(self) -> bool:
         return self.deadline is not None and time.monotonic() > self.deadline
@@ -55,8 +63,9 @@ class _Stop:
 class _BlockFeed:
     """Hands a request's finished blocks from the engine thread to its Flight sender thread."""
 
-    def __init__(self, target: KVTarget, fault: tuple[str, float] | None = None) -> None:
+    def __init__(self, target: KVTarget, fault: tuple[str, float] | None = None, wait_s: float | None = None) -> None:
         self.target = target
+        self.wait_s = wait_s  # the longest a sender waits for the next block: a pooled sender thread never hangs
         self.fault = fault  # ("stall", seconds) | ("cut", 0), injected by tests and the soak
         self.applied: str | None = None
         self.next_block = target.start_block
@@ -83,8 +92,14 @@ class _BlockFeed:
 
         self.q.put(SenderAborted(reason))
 
+    def _next(self) -> KVBlocks | Exception | None:
+        try:
+            return self.q.get(timeout=self.wait_s)
+        except queue.Empty:
+            return TimeoutError(f"no KV block from prefill in {self.wait_s:.0f}s")
+
     def __iter__(self):
-        while (run := self.q.get()) is not None:
+        while (run := self._next()) is not None:
             if isinstance(run, Exception):
                 raise run
             if self.fault is not None:  # the stream is open: the link dies or stalls under it
@@ -136,10 +151,19 @@ class Prefill:
         from pdd_serve.transport.object_store import put_kv
 
         req = preq.req
-        # admission reads the pool and the prefix cache the engine thread changes, and hashes the
-        # prompt: on the engine thread, not the event loop
-        seq = await self.worker.call(self.engine.add, req.request_id, list(req.prompt_token_ids), req.params)
-        feed = _BlockFeed(preq.md_target, self._take_fault("link")) if preq.md_target is not None else None
+        # the Router stops waiting after its budget (and may retry elsewhere); the caller may also
+        # go away (Serve cancels this call): either way the engine stops at its next chunk, not
+        # after the whole prompt, and frees the blocks, so a timeout under overload does not leave
+        # a duplicate of its work running. The budget counts from the call's arrival: time queued
+        # behind a burst for admission is spent from it too
+        stop = _Stop(None if preq.budget_s is None else time.monotonic() + preq.budget_s)
+        try:
+            seq = await self.worker.call(self._admit, req, stop)
+        except asyncio.CancelledError:
+            self.abandoned += 1  # the caller went away before admission: nothing was computed
+            raise
+        feed = (_BlockFeed(preq.md_target, self._take_fault("link"), self.cfg.real_s(self.cfg.flight.deadline_s))
+                if preq.md_target is not None else None)
         die = self._take_fault("die_in_prefill")
         if feed is not None:
             t = preq.md_target
@@ -150,11 +174,6 @@ class Prefill:
         t0 = time.perf_counter()
         kv_ref = None
         self.prefilling += 1
-        # the Router stops waiting after its budget (and may retry elsewhere); the caller may also
-        # go away (Serve cancels this call): either way the engine stops at its next chunk, not
-        # after the whole prompt, and frees the blocks, so a timeout under overload does not leave
-        # a duplicate of its work running
-        stop = _Stop(None if preq.budget_s is None else time.monotonic() + preq.budget_s)
         try:
             def on_chunk(s: Sequence) -> None:
                 if die is not None:  # injected: the process dies mid-prefill, as on a lost host
@@ -162,13 +181,16 @@ class Prefill:
                     os._exit(1)
                 if feed is not None:
                     feed.on_chunk(self.engine, s)
-                stop.check(req.request_id)
+                if s.num_computed < s.prompt_len:  # work left: stop it; after the last chunk, keep the result
+                    stop.check(req.request_id)
 
             first, finish, kv = await self.worker.call(self._prefill_once, seq, on_chunk, preq.to_relay, stop)
             if kv is not None:  # a full copy into the object store: off the event loop
                 kv_ref = await asyncio.to_thread(put_kv, kv)
         except BaseException as e:
             stop.cancelled.set()  # a call cancelled while its job waits or runs: the job stops too
+            if isinstance(e, asyncio.CancelledError) and not stop.started:
+                self.abandoned += 1  # its job was still queued: it will not run at all
             if feed is not None:  # after its last block this changes nothing: the transfer is whole
                 feed.abort(f"prefill of {req.request_id} failed: {type(e).__name__}")
             raise
@@ -178,6 +200,16 @@ class Prefill:
         return PrefillResult(first, finish, seq.prefix_hit_tokens, (time.perf_counter() - t0) / self.cfg.time_scale,
                              wan, kv_ref, self.bw.bps)
 
+    def _admit(self, req: GenRequest, stop: _Stop) -> Sequence:
+        """On the engine thread: admission reads the pool and the prefix cache that thread changes,
+        and hashes the prompt. Past the budget already (queued behind a burst): refused, not run."""
+        try:
+            stop.check(req.request_id)
+        except PrefillAbandoned:
+            self.abandoned += 1
+            raise
+        return self.engine.add(req.request_id, list(req.prompt_token_ids), req.params)
+
     def _prefill_once(self, seq: Sequence, on_chunk: Callable[[Sequence], None],
                       to_relay: bool, stop: _Stop | None = None) -> tuple[int, str | None, KVBlocks | None]:
         """On the engine thread: prefill, export the prompt's KV for the relay and release, as one
@@ -185,6 +217,7 @@ class Prefill:
         its release: in a burst, the first request waited for the whole burst's prefill."""
         try:
             if stop is not None:  # queued behind a burst past its budget, or its caller gone: skip it
+                stop.started = True
                 stop.check(seq.request_id)
             first = self.engine.prefill(seq, chunk_tokens=PREFILL_CHUNK_TOKENS, on_chunk=on_chunk)
             finish = seq.finish_reason  # read before release, which marks unfinished sequences aborted
