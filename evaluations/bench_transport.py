@@ -4,8 +4,17 @@
                                           [--no-ray]
 
 Every receiver runs in its own process, as MD's Flight server does (started with this script's
-`--serve`), so CPU is counted per process: sender (this process) + receiver, `time.process_time`
-over each transfer. Measured, repeats interleaved, medians reported:
+`--serve`), so CPU is counted per process, each over its own window: the receiver's CPU time (user
++ system, every thread: gRPC's, Arrow's, our CRC checks) from `expect` to its last verified block,
+and the sender's (this process, which runs nothing else meanwhile: the Flight client, its streams
+and the pacer) from the first write to the last ack. Loopback's kernel work is charged to whichever
+process's system call ran it. CPU per GB is not one constant: it is measured at every operating
+point (each paced rate and stream count, unpaced, kernel-shaped), because gRPC's cost per byte
+grows when sender and receiver contend for the same cores, and the cores a line needs come from
+the CPU measured on that line (an unpaced run's figure times the line rate was the old, wrong
+estimate: it gave 4+ cores for a line this 2-core box kept 0.92 full). Every run's cores busy
+(CPU seconds over wall seconds) is checked against the machine's cores: a figure above them is an
+accounting error and is reported as one. Measured, repeats interleaved, medians reported:
 - line utilisation: verified KV goodput (from the first write until the receiver holds every block
   with its CRC32 checked) over the line rate, with 1/2/4 parallel Flight streams per transfer, on
   * the paced link: `LinkModel` at 1 and 10 Gbit/s (no propagation delay: this measures whether the
@@ -13,7 +22,8 @@ over each transfer. Measured, repeats interleaved, medians reported:
   * the kernel-shaped link: the receiver in a network namespace behind a veth pair with tbf at
     `--shaped-link` on both ends (pdd_serve.netns; needs root), where a raw TCP stream is the
     ceiling (tbf shapes on-wire bytes: TCP/IP headers take ~5%).
-- CPU seconds per GB moved, Flight (verified) and a raw socket, loopback unpaced; and
+- CPU seconds per GB moved, Flight (verified) on every line above and unpaced on loopback, a raw
+  socket unpaced; cores busy for each; and
   `flight_vs_tcp`, their loopback throughput ratio (per-repeat pairs).
 - the handoff payload: the bytes of the real one-shot handoff call (Router -> MD `decode(request_id,
   committed, timeout_s)` with 100 committed ids, serialized by Ray's serializer, plus Serve's
@@ -158,7 +168,7 @@ def flight_once(rx: Receiver, kv: KVBlocks, streams: int, batch_blocks: int, lin
     dt = time.perf_counter() - t0
     if res["blocks"] != kv.num_blocks:
         raise RuntimeError(f"receiver holds {res['blocks']} of {kv.num_blocks} blocks")
-    return {"s": dt, "cpu": cpu_tx + res["cpu"], "cpu_tx": cpu_tx, "bytes": kv.nbytes}
+    return {"s": dt, "cpu": cpu_tx + res["cpu"], "cpu_tx": cpu_tx, "cpu_rx": res["cpu"], "bytes": kv.nbytes}
 
 
 def tcp_once(rx: Receiver, host: str, kv: KVBlocks, chunk: int) -> dict:
@@ -173,7 +183,7 @@ def tcp_once(rx: Receiver, host: str, kv: KVBlocks, chunk: int) -> dict:
     dt = time.perf_counter() - t0
     if res["bytes"] != kv.nbytes:
         raise RuntimeError(f"TCP receiver got {res['bytes']} of {kv.nbytes} bytes")
-    return {"s": dt, "cpu": cpu_tx + res["cpu"], "cpu_tx": cpu_tx, "bytes": kv.nbytes}
+    return {"s": dt, "cpu": cpu_tx + res["cpu"], "cpu_tx": cpu_tx, "cpu_rx": res["cpu"], "bytes": kv.nbytes}
 
 
 # ---------------------------------------------------------------- the handoff message
@@ -331,11 +341,18 @@ def main(argv: list[str] | None = None) -> int:
     def cpu_per_gb(key: str) -> float:
         return _med([r["cpu"] / (r["bytes"] / 1e9) for r in runs[key]])
 
+    def cores_busy(key: str) -> float:  # CPU seconds per wall second, sender + receiver
+        return _med([r["cpu"] / r["s"] for r in runs[key]])
+
     util = {rate: {s: gbps(f"paced_{rate:g}_{s}") * 1e9 / rate for s in streams} for rate in rates}
-    # The floor: a line of R GB/s needs R x (CPU s per GB) cores of sender + receiver; past this
-    # machine's cores no setting fills it. Beside it, what one unpaced stream moves here right now.
+    best_s = {rate: max(streams, key=lambda s: util[rate][s]) for rate in rates}
+    # The floor: a line of R GB/s needs R x (CPU s per GB *on that line*) cores of sender +
+    # receiver; past this machine's cores no setting fills it. Beside it, what one unpaced stream
+    # moves here right now.
     cores = os.cpu_count() or 1
-    cores_needed = {rate: cpu_per_gb("flight_lo") * rate / 8e9 for rate in rates}
+    cores_needed = {rate: cpu_per_gb(f"paced_{rate:g}_{best_s[rate]}") * rate / 8e9 for rate in rates}
+    busiest = max(r["cpu"] / r["s"] for rs in runs.values() for r in rs)
+    accounting_ok = busiest <= cores * 1.05  # CPU time can't exceed wall time x cores
     unpaced_1 = {rate: min(1.0, gbps("flight_lo") * 1e9 / rate) for rate in rates}
     kernel_rate = shaped.link.rate_bps if shaped and k_flight else None
     kernel = {s: gbps(f"kernel_{s}") * 1e9 / kernel_rate for s in streams} if kernel_rate else {}
@@ -351,8 +368,10 @@ def main(argv: list[str] | None = None) -> int:
         for s in streams:
             rows.append((f"paced {rate / 1e9:g} Gbit/s, {s} stream(s): verified goodput / line",
                          f"{util[rate][s]:.3f}  ({gbps(f'paced_{rate:g}_{s}'):.2f} Gbit/s)"))
-        rows.append((f"  cores to fill {rate / 1e9:g} Gbit/s; 1 unpaced stream / line",
-                     f"{cores_needed[rate]:.2f} of {cores}; {unpaced_1[rate]:.3f}"))
+        rows.append((f"  CPU s per GB on it ({best_s[rate]} stream(s)), cores busy; cores to fill it",
+                     f"{cpu_per_gb(f'paced_{rate:g}_{best_s[rate]}'):.2f}, "
+                     f"{cores_busy(f'paced_{rate:g}_{best_s[rate]}'):.2f} of {cores}; {cores_needed[rate]:.2f}"))
+        rows.append(("  1 unpaced stream / line", f"{unpaced_1[rate]:.3f}"))
     if kernel:
         for s in streams:
             rows.append((f"kernel tbf {kernel_rate / 1e9:g} Gbit/s, {s} stream(s): verified goodput / line",
@@ -364,8 +383,13 @@ def main(argv: list[str] | None = None) -> int:
     rows += [
         ("loopback unpaced: Flight verified / raw TCP", f"{gbps('flight_lo') / 8:.2f} / {gbps('tcp_lo') / 8:.2f} GB/s"),
         ("flight_vs_tcp (loopback throughput ratio)", f"{flight_vs_tcp:.2f}"),
-        ("CPU s per GB, sender + receiver: Flight / raw TCP",
+        ("loopback unpaced, CPU s per GB, sender + receiver: Flight / raw TCP",
          f"{cpu_per_gb('flight_lo'):.2f} / {cpu_per_gb('tcp_lo'):.2f}"),
+        ("  of it the receiver's (Flight); cores busy, Flight / raw TCP",
+         f"{_med([r['cpu_rx'] / (r['bytes'] / 1e9) for r in runs['flight_lo']]):.2f}; "
+         f"{cores_busy('flight_lo'):.2f} / {cores_busy('tcp_lo'):.2f} of {cores}"),
+        ("CPU accounting check: busiest run's cores busy <= cores",
+         f"{busiest:.2f} <= {cores}: {'ok' if accounting_ok else 'FAILED: CPU counted twice somewhere'}"),
     ]
     if store:
         rows.append(("object store put / get / get + verify",
@@ -396,6 +420,11 @@ def main(argv: list[str] | None = None) -> int:
         "kernel_null_reason": why_no_kernel,
         "flight_gbs": gbps("flight_lo") / 8, "tcp_gbs": gbps("tcp_lo") / 8, "flight_vs_tcp": flight_vs_tcp,
         "flight_cpu_s_per_gb": cpu_per_gb("flight_lo"), "tcp_cpu_s_per_gb": cpu_per_gb("tcp_lo"),
+        "flight_rx_cpu_s_per_gb": _med([r["cpu_rx"] / (r["bytes"] / 1e9) for r in runs["flight_lo"]]),
+        **{f"cpu_s_per_gb_{rate / 1e9:g}g_paced": cpu_per_gb(f"paced_{rate:g}_{best_s[rate]}") for rate in rates},
+        **{f"cores_busy_{rate / 1e9:g}g_paced": cores_busy(f"paced_{rate:g}_{best_s[rate]}") for rate in rates},
+        "flight_cores_busy": cores_busy("flight_lo"), "max_cores_busy": busiest,
+        "cpu_accounting_ok": accounting_ok,
         "handoff_payload_bytes": hand["total"], "kv_bytes_100_tokens_model": kv_model,
         "kv_bytes_100_tokens_50kb": kv_flagship,
         "handoff_payload_ratio": hand["total"] / kv_flagship, "handoff_payload_ratio_this_model": hand["total"] / kv_model,

@@ -341,10 +341,16 @@ SCALE_DESCRIPTION = """\
 Ramp the offered load until Serve's autoscaler adds a second MainDecode replica, and show what the
 system delivers before and after. Deploys --graph (graphs/pdd.yaml: MainDecode autoscaling_config
 min 1, max 2, target_ongoing_requests 4, as written in the graph) on the local two-site cluster and
-offers open-loop Poisson requests (a shared --system-tokens prompt, warmed first, plus
---prompt-tokens fresh tokens; --max-tokens out, greedy, ignore_eos) in three phases:
+offers requests (a shared --system-tokens prompt, warmed first, plus --prompt-tokens fresh
+tokens; --max-tokens out, greedy, ignore_eos) in four phases:
 
-  before  --rate-before req/s for --before-s seconds (one MD replica serves it)
+  probe   target_ongoing_requests clients in a closed loop for --probe-s seconds against the
+          graph with MainDecode fixed at one replica calibrate the rates to this machine's speed:
+          the probe's throughput is capacity_rps, the offered rate at which the graph holds the
+          autoscaling target in flight (Little's law), measured at that load; --rate-before
+          defaults to --load-before x capacity_rps (one replica stays under its target),
+          --rate-after to --load-after x capacity_rps (past it: Serve adds a replica)
+  before  open-loop Poisson, --rate-before req/s for --before-s seconds (one MD replica serves it)
   ramp    --rate-after req/s until Serve reports a 2nd RUNNING MainDecode replica; an error after
           --ramp-timeout seconds, with what was measured (replicas, running sequences on MD,
           Serve's autoscaling log lines)
@@ -359,6 +365,8 @@ phases ~3 min, the reference check ~1.5 min); --control adds ~2 min. Prints a ta
 and one final JSON line:
 
   md_replicas_max          most RUNNING MainDecode replicas seen (2 when it scaled)
+  scaled_before_ramp       a 2nd replica ran before the ramp (the before phase's load was past
+                           the target: the scale-up was not measured; exit status 1)
   tokens_lost              requests that errored or streamed other than exactly --max-tokens ids
   outputs_identical        every answer's token ids equal the reference engine's greedy ids
   goodput_after_vs_before  goodput(after: rate_after, 2 replicas) / goodput(before: rate_before,
@@ -368,12 +376,15 @@ and one final JSON line:
   goodput_after_vs_one_replica   with --control: after's goodput over one fixed MD replica's at
                            the same rate_after (what the 2nd replica bought)
   scale_up_s               ramp start to the 2nd replica RUNNING
+  capacity_rps, rate_before, rate_after   the calibration (probe_requests, probe_s,
+                           probe_latency_s, probe_md_seqs_mean: what it was computed from)
+  PHASE.md_serve_ongoing_mean   MainDecode's ongoing requests as Serve's autoscaler read them
   PHASE.*                  each phase's figures; after.requests_per_md_replica shows the new
                            replica took work
 
 Logged to MLflow, experiment pdd-scale (`pdd runs --experiment pdd-scale`); requests.parquet,
 replicas.json (the samples) and summary.json under .pdd/eval/pdd-scale-TIME/. Exit status 1 when a
-token was lost, an output differed or MD never scaled.
+token was lost, an output differed, MD never scaled or it scaled before the ramp.
 """
 
 
@@ -384,8 +395,16 @@ def _add_scale(p: argparse.ArgumentParser) -> None:
     p.add_argument("--graph", default=d.graph,
                    help="graph whose MainDecode has an autoscaling_config reaching 2 replicas (default: %(default)s)")
     g = p.add_argument_group("offered load")
-    g.add_argument("--rate-before", type=float, default=d.rate_before, help="req/s before the ramp (default: %(default)s)")
-    g.add_argument("--rate-after", type=float, default=d.rate_after, help="req/s from the ramp on (default: %(default)s)")
+    g.add_argument("--rate-before", type=float, default=d.rate_before,
+                   help="req/s before the ramp (default: --load-before x the probe's capacity_rps)")
+    g.add_argument("--rate-after", type=float, default=d.rate_after,
+                   help="req/s from the ramp on (default: --load-after x the probe's capacity_rps)")
+    g.add_argument("--load-before", type=float, default=d.load_before,
+                   help="calibrated rate_before, as a multiple of capacity_rps, < 1 (default: %(default)s)")
+    g.add_argument("--load-after", type=float, default=d.load_after,
+                   help="calibrated rate_after, as a multiple of capacity_rps, > 1 (default: %(default)s)")
+    g.add_argument("--probe-s", type=float, default=d.probe_s,
+                   help="the capacity probe's closed loop, seconds (default: %(default)s)")
     g.add_argument("--before-s", type=float, default=d.before_s, help="before phase, seconds (default: %(default)s)")
     g.add_argument("--after-s", type=float, default=d.after_s,
                    help="after phase (2 replicas running), seconds (default: %(default)s)")
@@ -423,6 +442,7 @@ def _run_scale(args: argparse.Namespace) -> int:
 
     try:
         cfg = ScaleConfig(graph=args.graph, rate_before=args.rate_before, rate_after=args.rate_after,
+                          load_before=args.load_before, load_after=args.load_after, probe_s=args.probe_s,
                           before_s=args.before_s, after_s=args.after_s, ramp_timeout_s=args.ramp_timeout,
                           system_tokens=args.system_tokens, prompt_tokens=args.prompt_tokens,
                           max_tokens=args.max_tokens, control=args.control, seed=args.seed,
@@ -439,7 +459,8 @@ def _run_scale(args: argparse.Namespace) -> int:
     except (EvalError, ClusterError) as e:
         return _fail("scale", e)
     h = res["headline"]
-    return 0 if h["tokens_lost"] == 0 and h["outputs_identical"] and h["md_replicas_max"] >= 2 else 1
+    return 0 if (h["tokens_lost"] == 0 and h["outputs_identical"] and h["md_replicas_max"] >= 2
+                 and not h["scaled_before_ramp"]) else 1
 
 
 # ---------------------------------------------------------------- runs

@@ -4,8 +4,15 @@ and measure what the system delivers before and after.
 One deployment of a graph (graphs/pdd.yaml: `MainDecode` autoscales 1..2 on ongoing requests,
 target 4 per replica) on the local two-site cluster, one open-loop Poisson stream of independent
 requests (a shared system prompt, warmed into the caches first, plus fresh tokens; greedy,
-`return_token_ids`, `ignore_eos`), in three phases:
+`return_token_ids`, `ignore_eos`). The offered rates are calibrated on the machine they run on
+(a fixed rate that scales MD on a busy box leaves it at one replica on a quiet one):
 
+  probe   target_ongoing_requests clients in a closed loop for `probe_s` against the graph
+          with MainDecode fixed at one replica: the throughput is `capacity_rps`, the offered
+          rate at which the graph holds the autoscaling target in flight (Little's law), measured
+          at that load on this machine. rate_before = `load_before` x capacity (under the
+          target), rate_after = `load_after` x capacity (past it: Serve adds a replica),
+          unless given
   before  `rate_before` req/s for `before_s`: what one MD replica serves
   ramp    `rate_after` req/s until Serve reports a 2nd RUNNING MainDecode replica (`scale_up_s`
           after the ramp starts), or `ramp_timeout_s` (an error that says what was measured)
@@ -34,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import glob
 import json
 import math
@@ -63,7 +71,7 @@ from evaluations.loadgen import SLA, LoadConfig, RequestRecord, stream_completio
 from evaluations.workloads import Turn, fresh_tokens
 
 DEPLOYMENT = "MainDecode"
-PHASES = ("before", "ramp", "after", "control")
+PHASES = ("probe", "before", "ramp", "after", "control")
 MAX_POSITIONS = 4096  # the default model's context
 JSON_KEYS = ("md_replicas_max", "tokens_lost", "outputs_identical", "goodput_after_vs_before")
 
@@ -71,8 +79,13 @@ JSON_KEYS = ("md_replicas_max", "tokens_lost", "outputs_identical", "goodput_aft
 @dataclass(frozen=True)
 class ScaleConfig:
     graph: str = "graphs/pdd.yaml"
-    rate_before: float = 0.3  # req/s one MD replica serves (~2 decoding at once)
-    rate_after: float = 1.5  # req/s: ~8-10 decoding at once, past target_ongoing_requests=4
+    rate_before: float | None = None  # req/s; None: load_before x the probe's capacity_rps
+    rate_after: float | None = None  # req/s; None: load_after x the probe's capacity_rps
+    # the calibrated rates, as multiples of the rate at which one MD replica holds
+    # target_ongoing_requests: before stays well under it, after well past it (Serve adds a replica)
+    load_before: float = 0.5
+    load_after: float = 1.5
+    probe_s: float = 30.0
     before_s: float = 60.0
     after_s: float = 60.0
     ramp_timeout_s: float = 180.0
@@ -93,13 +106,16 @@ class ScaleConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if not (self.rate_before > 0 and self.rate_after > 0):
-            raise ValueError(f"ScaleConfig rates must be > 0, got rate_before={self.rate_before}, "
-                             f"rate_after={self.rate_after}")
-        if self.rate_after <= self.rate_before:
+        if any(r is not None and not r > 0 for r in (self.rate_before, self.rate_after)):
+            raise ValueError(f"ScaleConfig rates must be > 0 (or None: calibrated), got rate_before="
+                             f"{self.rate_before}, rate_after={self.rate_after}")
+        if self.rate_before is not None and self.rate_after is not None and self.rate_after <= self.rate_before:
             raise ValueError(f"ScaleConfig.rate_after ({self.rate_after}) must exceed rate_before "
                              f"({self.rate_before}): the ramp raises the offered load")
-        for k in ("before_s", "after_s", "ramp_timeout_s", "sample_s"):
+        if not 0 < self.load_before < 1 < self.load_after:
+            raise ValueError(f"ScaleConfig needs 0 < load_before < 1 < load_after (multiples of the rate at which one "
+                             f"MD replica holds its target), got {self.load_before} and {self.load_after}")
+        for k in ("before_s", "after_s", "ramp_timeout_s", "sample_s", "probe_s"):
             if not getattr(self, k) > 0:
                 raise ValueError(f"ScaleConfig.{k} must be > 0, got {getattr(self, k)}")
         if self.sample_s > 5:
@@ -125,6 +141,7 @@ class Sample:
     replicas: int  # all MainDecode replicas Serve reports (any state)
     actors: int  # live MainDecode replica actors (replica_actors)
     seqs: dict[str, int] | None = None  # running sequences per replica (its stats), every other sample
+    ongoing: float | None = None  # MainDecode's ongoing requests as Serve's autoscaler reads them
 
 
 # ---------------------------------------------------------------- pure parts (unit-tested)
@@ -157,7 +174,33 @@ def phase_metrics(records: Sequence[ScaleRecord], phase: str, window_s: float, s
         seqs = [sum(x.seqs.values()) for x in inside if x.seqs]
         out["md_running_seqs_mean"] = sum(seqs) / len(seqs) if seqs else None
         out["md_running_seqs_max"] = max(seqs, default=None)
+        ongoing = [x.ongoing for x in inside if x.ongoing is not None]
+        out["md_serve_ongoing_mean"] = sum(ongoing) / len(ongoing) if ongoing else None  # what the autoscaler read
     return out
+
+
+def calibrate(done: int, span_s: float, clients: int, cfg: ScaleConfig,
+              md_seqs_mean: float | None = None) -> dict[str, Any]:
+    """The offered rates from the probe: `clients` (= target_ongoing_requests) in a closed loop
+    against one MD replica, drained at the end. Its throughput X = done / span is, by Little's
+    law, the offered rate at which the graph holds `clients` requests in flight: capacity_rps.
+    Measured at that load, not extrapolated from a light one: on shared cores latency climbs
+    steeply with load, and a rate scaled up from a one-client probe overshot (the before phase
+    already held 6). Rates given in `cfg` are kept."""
+    if done < 4 or not span_s > 0:
+        raise EvalError(f"the capacity probe measured too little to calibrate ({done} requests in {span_s:.0f}s): "
+                        "raise --probe-s, or give --rate-before and --rate-after")
+    capacity = done / span_s
+    before = cfg.rate_before if cfg.rate_before is not None else cfg.load_before * capacity
+    after = cfg.rate_after if cfg.rate_after is not None else cfg.load_after * capacity
+    if after <= before:
+        raise EvalError(f"rate_after {after:.3f} req/s would not exceed rate_before {before:.3f} "
+                        f"(calibrated capacity {capacity:.3f} req/s): give both rates, or neither")
+    return {"capacity_rps": round(capacity, 4), "rate_before": round(before, 4), "rate_after": round(after, 4),
+            "probe_clients": clients, "probe_requests": done, "probe_s": round(span_s, 2),
+            "probe_latency_s": round(clients / capacity, 4),
+            "probe_md_seqs_mean": None if md_seqs_mean is None else round(md_seqs_mean, 3),
+            "calibrated": [k for k in ("rate_before", "rate_after") if getattr(cfg, k) is None]}
 
 
 def tokens_lost(records: Sequence[ScaleRecord], max_tokens: int) -> int:
@@ -202,6 +245,8 @@ def headline(phases: Mapping[str, Mapping[str, Any]], samples: Sequence[Sample],
         "offered_load_ratio": cfg.rate_after / cfg.rate_before,
         "rate_before": cfg.rate_before, "rate_after": cfg.rate_after,
         "scale_up_s": scale_up_s,
+        "scaled_before_ramp": any((p.get("md_replicas_max") or 0) >= 2 for k, p in phases.items()
+                                  if k in ("probe", "before")),
         "errors": sum(int(p.get("errors") or 0) for p in phases.values()),
         "mismatched_requests": mismatched,
         "requests": sum(int(p.get("requests") or 0) for p in phases.values()),
@@ -214,7 +259,8 @@ def headline(phases: Mapping[str, Mapping[str, Any]], samples: Sequence[Sample],
         out["goodput_after_vs_one_replica"] = _ratio(after.get("goodput_rps"), control.get("goodput_rps"))
     for name, p in phases.items():
         for k in ("offered_rps", "window_s", "requests", "errors", "ttft_p50_s", "ttft_p90_s", "itl_p50_s",
-                  "itl_p90_s", "sla_attainment", "goodput_rps", "md_replicas_max", "md_running_seqs_mean"):
+                  "itl_p90_s", "sla_attainment", "goodput_rps", "md_replicas_max", "md_running_seqs_mean",
+                  "md_serve_ongoing_mean"):
             if k in p:
                 out[f"{name}.{k}"] = p[k]
         if name in ("after", "control") and p.get("requests_per_md_replica"):
@@ -273,7 +319,26 @@ def sample_replicas(app: str, with_seqs: bool, handles: dict[str, Any]) -> dict[
             if rs.extra.get("replica", rid) == rid:  # else another answered: this one isn't running (yet)
                 seqs[rid[:8]] = int(rs.running)
     return {"t": time.monotonic(), "running": states.get("RUNNING", 0), "replicas": sum(states.values()),
-            "actors": len(actors), "seqs": seqs}
+            "actors": len(actors), "seqs": seqs, "ongoing": serve_ongoing(app)}
+
+
+def serve_ongoing(app: str) -> float | None:
+    """MainDecode's ongoing requests as Serve's autoscaler reads them (the controller's window
+    aggregate: queued at handles + running, over look_back_period_s), or None where this Ray has
+    no such call. Every call about a request that is in flight counts (prepare, KV wait, handoff
+    batches, the decode stream, and what waits at a handle), so it runs above MD's own count of
+    the requests it holds: the calibration reads this, not a proxy."""
+    import ray
+
+    try:
+        from ray.serve._private.common import DeploymentID
+        from ray.serve.context import _get_global_client
+
+        ctl = _get_global_client()._controller
+        ref = ctl._get_total_num_requests_for_deployment_for_testing.remote(DeploymentID(DEPLOYMENT, app))
+        return float(ray.get(ref, timeout=3))
+    except Exception:  # noqa: BLE001 - a private call (Serve's own tests use it): absent, no figure
+        return None
 
 
 def _sampler_main(app: str, period_s: float) -> None:
@@ -350,7 +415,8 @@ class ReplicaSampler:
             if "error" in d:
                 self.errors.append(d["error"])
                 continue
-            self.samples.append(Sample(d["t"] - self.t0, d["running"], d["replicas"], d["actors"], d["seqs"]))
+            self.samples.append(Sample(d["t"] - self.t0, d["running"], d["replicas"], d["actors"], d["seqs"],
+                                       d.get("ongoing")))
 
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
@@ -478,6 +544,47 @@ def drive_phases(url: str, sampler: ReplicaSampler, cfg: ScaleConfig, system: tu
             "scale_up_s": state["scale_up_s"], "timeout": state["timeout"], "sampler_errors": sampler.errors}
 
 
+def probe_capacity(url: str, sampler: ReplicaSampler, cfg: ScaleConfig, system: tuple[int, ...],
+                   rng: random.Random, log: Callable[[str], None], clients: int) -> dict[str, Any]:
+    """`clients` in a closed loop for `probe_s` against the graph with MainDecode fixed at one
+    replica, then drained: returns the records, the samples, the window and the calibration."""
+    import httpx
+
+    log(f"probe: {clients} clients in a closed loop for {cfg.probe_s:.0f}s on one fixed MainDecode replica "
+        "(calibrates the offered rates to this machine) ...")
+    sampler.restart_clock()
+    offer = Offer(url, cfg, system, rng, log)
+    t0 = time.monotonic()
+
+    async def client_loop(client: Any) -> None:
+        while time.monotonic() - t0 < cfg.probe_s:
+            sr, turn = offer._new("probe", time.monotonic() - t0)
+            await stream_completion(client, url, sr.prompt, turn, sr.rec, cfg.load)
+
+    async def main() -> None:
+        async with httpx.AsyncClient(timeout=cfg.load.timeout_s) as client:
+            await asyncio.gather(*(client_loop(client) for _ in range(clients)))
+
+    asyncio.run(main())
+    span = time.monotonic() - t0
+    seqs = [sum(x.seqs.values()) for x in sampler.samples if x.seqs and x.t_s <= span]
+    done = sum(1 for r in offer.records if not r.rec.error)
+    calib = calibrate(done, span, clients, cfg, sum(seqs) / len(seqs) if seqs else None)
+    log(f"  probe: {done} requests in {span:.0f}s, {calib['probe_latency_s']:.2f}s each: {clients} in flight at "
+        f"capacity_rps {calib['capacity_rps']:.2f} (MD holding {calib['probe_md_seqs_mean']} on average) -> "
+        f"rate_before {calib['rate_before']:.2f}, rate_after {calib['rate_after']:.2f} req/s")
+    return {"records": offer.records, "samples": list(sampler.samples), "windows": {"probe": (0.0, span)},
+            "calibration": calib}
+
+
+def _md_autoscaling_checked(graph: PreparedGraph) -> dict[str, Any]:
+    auto = _md_autoscaling(graph)
+    if not isinstance(auto, dict) or "max_replicas" not in auto:
+        raise EvalError(f"{graph.source}: MainDecode has no autoscaling_config ({auto}); pdd scale needs one that "
+                        "reaches 2 replicas")
+    return auto
+
+
 def _fixed_one_replica(graph: PreparedGraph, out: Path) -> Path:
     """The same graph with MainDecode at num_replicas: 1 (the control)."""
     import yaml
@@ -548,22 +655,42 @@ def run_scale(cfg: ScaleConfig = ScaleConfig(), log: Callable[[str], None] = log
         tracker = Tracker(cfg.tracking_uri, cfg.experiment)  # a bad store fails before the long run
     rng = random.Random(f"scale:{cfg.seed}")
     system = fresh_tokens(rng, cfg.system_tokens)
-    log(f"pdd scale: {graph.source}, {cfg.rate_before} req/s for {cfg.before_s:.0f}s, then {cfg.rate_after} req/s "
+    rates = (f"{cfg.rate_before or 'calibrated'} req/s for {cfg.before_s:.0f}s, then "
+             f"{cfg.rate_after or 'calibrated'} req/s")
+    log(f"pdd scale: {graph.source}, {rates} "
         f"until a 2nd MainDecode replica runs (<= {cfg.ramp_timeout_s:.0f}s) and {cfg.after_s:.0f}s more; "
         f"prompts {cfg.system_tokens}+{cfg.prompt_tokens} tokens, {cfg.max_tokens} out")
     fingerprint = code_fingerprint()
     runs: dict[str, dict[str, Any]] = {}
     t_all = time.monotonic()
     with eval_cluster(cfg.env, log) as denv:
+        auto = _md_autoscaling_checked(graph)
+        target = float(auto.get("target_ongoing_requests", 2))  # Serve's default
+        one_md = _fixed_one_replica(graph, out_dir / "graphs" / f"{graph.name}-one-md.yaml")
         try:
             shutdown_serve(denv)
+            if cfg.rate_before is None or cfg.rate_after is None:  # calibrate on this machine, now
+                url = deploy_graph(one_md, denv, timeout_s=cfg.env.deploy_timeout_s, log=log)
+                sampler = ReplicaSampler(app, cfg.sample_s, denv).start()
+                try:
+                    _warm(url, cfg, system, rng, log)
+                    runs["probe"] = probe_capacity(url, sampler, cfg, system, rng, log, max(1, math.ceil(target)))
+                finally:
+                    sampler.stop()
+                calib = runs["probe"]["calibration"]
+                shutdown_serve(denv)
+            else:
+                calib = {"capacity_rps": None, "calibrated": []}
+            calib["target_ongoing_requests"] = target
+            cfg = dataclasses.replace(cfg, rate_before=calib.get("rate_before", cfg.rate_before),
+                                      rate_after=calib.get("rate_after", cfg.rate_after))
             url = deploy_graph(graph.path, denv, timeout_s=cfg.env.deploy_timeout_s, log=log)
         except DemoError as e:
             raise EvalError(str(e)) from None
         sampler = ReplicaSampler(app, cfg.sample_s, denv).start()
         try:
             _warm(url, cfg, system, rng, log)
-            log("offering load (progress every 10 s) ...")
+            log(f"offering {cfg.rate_before} req/s, then {cfg.rate_after} req/s (progress every 10 s) ...")
             runs["scale"] = drive_phases(url, sampler, cfg, system, rng, log)
         finally:
             sampler.stop()
@@ -574,9 +701,8 @@ def run_scale(cfg: ScaleConfig = ScaleConfig(), log: Callable[[str], None] = log
         if runs["scale"]["timeout"]:
             raise EvalError(_no_scale_up_message(runs["scale"], cfg))
         if cfg.control:
-            path = _fixed_one_replica(graph, out_dir / "graphs" / f"{graph.name}-one-md.yaml")
             try:
-                url = deploy_graph(path, denv, timeout_s=cfg.env.deploy_timeout_s, log=log)
+                url = deploy_graph(one_md, denv, timeout_s=cfg.env.deploy_timeout_s, log=log)
                 sampler = ReplicaSampler(app, cfg.sample_s, denv).start()
                 try:
                     _warm(url, cfg, system, rng, log)
@@ -597,10 +723,11 @@ def run_scale(cfg: ScaleConfig = ScaleConfig(), log: Callable[[str], None] = log
     phases: dict[str, dict[str, Any]] = {}
     for run in runs.values():
         for ph, (a, b) in run["windows"].items():
-            rate = cfg.rate_before if ph == "before" else cfg.rate_after
+            rate = {"before": cfg.rate_before, "probe": calib.get("capacity_rps")}.get(ph, cfg.rate_after)
             phases[ph] = phase_metrics(run["records"], ph, max(b - a, 1e-9), cfg.sla, rate, run["samples"], (a, b))
     head = headline(phases, samples, runs["scale"]["scale_up_s"], tokens_lost(records, cfg.max_tokens),
                     identical, mismatched, cfg)
+    head.update({k: v for k, v in calib.items() if k not in head})
     head["code_fingerprint"] = fingerprint
     head["autoscaling_config"] = _md_autoscaling(graph)
     if runs["scale"]["sampler_errors"]:
@@ -676,6 +803,8 @@ def _log_mlflow(tracker: Any, graph: PreparedGraph, cfg: ScaleConfig, phases: Ma
               "seed": cfg.seed, "sla.ttft_s": cfg.sla.ttft_s, "sla.tpot_s": cfg.sla.tpot_s,
               "md.autoscaling_config": json.dumps(head.get("autoscaling_config")), "git_commit": _git_commit(),
               "code_fingerprint": head.get("code_fingerprint", ""),
+              "rates_calibrated": ",".join(head.get("calibrated") or []) or "none",
+              "load_before": cfg.load_before, "load_after": cfg.load_after, "probe_s": cfg.probe_s,
               **link_params(graph), **policy_params(graph.cfg), **engine_params(graph.cfg)}
     metrics = {k: v for k, v in head.items() if isinstance(v, (int, float))}
     for name, p in phases.items():

@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         cmd.add_arguments(p)
         p.set_defaults(_run=cmd.run)
-    from pdd_serve.cluster import add_cluster_parser  # light: no ray import at parse time
+    from pdd_serve.cluster_cli import add_cluster_parser  # light: no ray import at parse time
 
     add_cluster_parser(sub)
     return parser

@@ -43,6 +43,11 @@ def test_bench_transport_reports_line_utilisation_and_cpu(capsys):
     assert 0 < out["line_util_10g_paced"] <= 1.05  # the pacer never lets goodput beat the line by much
     assert out["line_util_1g_kernel"] is None and out["kernel_null_reason"]
     assert out["flight_cpu_s_per_gb"] > 0 and out["tcp_cpu_s_per_gb"] > 0 and out["flight_vs_tcp"] > 0
+    # CPU is measured on the line it fills, and no run is busier than the machine's cores
+    assert out["cpu_s_per_gb_10g_paced"] > 0 and 0 < out["cores_busy_10g_paced"] <= out["max_cores_busy"]
+    assert out["cores_to_fill_10g"] == pytest.approx(out["cpu_s_per_gb_10g_paced"] * 1.25, rel=1e-3)
+    assert 0 < out["flight_rx_cpu_s_per_gb"] < out["flight_cpu_s_per_gb"]
+    assert out["cpu_accounting_ok"] is (out["max_cores_busy"] <= out["cores"] * 1.05)
     assert out["handoff_payload_ratio"] == pytest.approx(out["handoff_payload_bytes"] / out["kv_bytes_100_tokens_50kb"], rel=1e-3)
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from pdd_serve import cluster as C
+from pdd_serve import cluster_cli
 from pdd_serve.cluster import ClusterError, ClusterInfo, LocalClusterConfig
 
 # ---- unit: no Ray -----------------------------------------------------------------------------
@@ -24,7 +25,7 @@ from pdd_serve.cluster import ClusterError, ClusterInfo, LocalClusterConfig
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdd")
-    C.add_cluster_parser(parser.add_subparsers(dest="command"))
+    cluster_cli.add_cluster_parser(parser.add_subparsers(dest="command"))
     return parser
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from pdd_serve import cluster as C
+from pdd_serve import cluster_cli
 
 NODE_A, NODE_B, GONE = "a1" * 28, "b2" * 28, "c3" * 28
 NODES = [
@@ -88,10 +89,10 @@ def test_status_prints_the_replicas(monkeypatch, capsys):
     st = {"message": "cluster up at 127.0.0.1:6390: sites a and b alive", "nodes": NODES, "error": None,
           "recorded": True, "shaped_link": None, "healthy": True, "running": True,
           "serve": {**serve, "deployments": C.serve_deployments(REPLICAS, NODES)}}
-    monkeypatch.setattr(C, "cluster_status", lambda cfg: st)
-    assert C.main(["status"]) == 0
+    monkeypatch.setattr(cluster_cli, "cluster_status", lambda cfg: st)
+    assert cluster_cli.main(["status"]) == 0
     out = capsys.readouterr().out
     assert "serve: 5 deployments, 8 replicas" in out and "pdd/MainDecode " in out and "pdd.site=b" in out
-    assert C.main(["status", "--json"]) == 0
+    assert cluster_cli.main(["status", "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert [d["deployment"] for d in got["serve"]["deployments"]][0] == "MainDecode"

@@ -19,6 +19,7 @@ import pytest
 
 from pdd_serve.engine.kv import KVBlocks, KVLayout
 from pdd_serve.transport import flight as kv_flight
+from pdd_serve.transport import flight_client
 from pdd_serve.transport.codec import encode, kv_schema
 from pdd_serve.transport.flight import (
     AuthError,
@@ -81,6 +82,35 @@ def test_round_trip_bitwise(server: KVFlightServer) -> None:
     assert got.blocks_received == 23 and got.bytes_received == kv.nbytes
     assert est.samples == 1 and est.bps > 0
     assert server.release("r1") and server.bytes_reserved == 0
+
+
+def test_parallel_streams_share_one_bounded_pool(server: KVFlightServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Extra streams of every push share the process's pool (before: a pool per push); stream 0
+    runs on the caller's thread, so pushes complete even when the pool is smaller than their
+    streams, and the pool's threads never outnumber its size."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(flight_client, "_STREAM_POOL", ThreadPoolExecutor(1, thread_name_prefix="kv-push-test"))
+    kv = make_blocks(LAYOUT, 24, seed=3)
+    for i in range(4):
+        server.expect(f"shared{i}", 24)
+    results: list = [None] * 4
+
+    def push(i: int) -> None:
+        results[i] = client(server, batch_blocks=2, parallel_streams=3).push(f"shared{i}", [kv])
+
+    threads = [threading.Thread(target=push, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    peak = 0
+    while any(t.is_alive() for t in threads):
+        peak = max(peak, sum(1 for t in threading.enumerate() if t.name.startswith("kv-push-test")))
+        time.sleep(0.001)
+    for i in range(4):
+        assert results[i] is not None and results[i].blocks_sent == 24
+        assert_same(server.wait_complete_sync(f"shared{i}", 5).blocks, kv)
+        server.release(f"shared{i}")
+    assert peak <= 1
 
 
 def test_parallel_streams_and_async_feed(server: KVFlightServer) -> None:
@@ -271,7 +301,7 @@ def test_connection_kept_across_pushes_and_redialled_after_a_break(server: KVFli
         proxy.close()
     assert res.resumes >= 1 and c._connect() is not first  # the cut connection was dropped
     assert_same(server.wait_complete_sync("keep-3", 5).blocks, kv)
-    assert len(kv_flight._CHANNELS) <= kv_flight._MAX_CHANNELS
+    assert len(flight_client._CHANNELS) <= flight_client._MAX_CHANNELS
 
 
 def test_unknown_request_and_release(server: KVFlightServer) -> None:

@@ -250,10 +250,10 @@ def test_md_joins_the_received_runs_on_the_engine_thread(md, sender, monkeypatch
     """The KV arrives in several Flight batches; joining them copies the whole delta. That join
     (`ReceivedKV.blocks` -> `concat_blocks`) must run on MD's engine thread, not its event loop
     (before the fix, `got.blocks` was evaluated on the loop as an argument of the worker call)."""
-    from pdd_serve.transport import flight
+    from pdd_serve.transport import flight_server
 
-    join = _Recorder(flight.concat_blocks)
-    monkeypatch.setattr(flight, "concat_blocks", join)
+    join = _Recorder(flight_server.concat_blocks)
+    monkeypatch.setattr(flight_server, "concat_blocks", join)
     rid = "join"
     _, kv = _prompt_kv(sender, rid)
 

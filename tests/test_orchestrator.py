@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 
 import pytest
@@ -20,7 +21,8 @@ from pdd_serve.engine.sampling import SamplingParams
 from pdd_serve.engine.scheduler import EngineWorker
 from pdd_serve.policy import LinkEstimate, wan_backlog
 from pdd_serve.serve.messages import GenRequest, KVReady, MDPrepareReply, MDView, PrefillResult, TokenChunk
-from pdd_serve.serve.orchestrator import Orchestrator, RequestState
+from pdd_serve.serve.orchestrator import Orchestrator
+from pdd_serve.serve.request_state import RequestState
 from tests.test_engine import _prompt
 
 
@@ -91,7 +93,7 @@ class InProcessBackends:
             await self.mws[i].release(old, cache=False)
             self.kv_runs.pop(req.request_id, None)
         self.kv_aborted.discard(req.request_id)  # a new expect: the old transfer's abort is gone
-        seq = self.mds[i].add(req.request_id, list(req.prompt_token_ids), req.params)
+        seq = self.mds[i].add(req.request_id, list(req.prompt_token_ids), req.params, req.block_hashes)
         hit = self.mds[i].match_prefix(seq, planned_start)
         self.md_seqs[i][req.request_id] = seq
         n = blocks_needed(seq.prompt_len, 16)
@@ -190,7 +192,7 @@ class InProcessBackends:
             raise RuntimeError("prefill replica died mid-prefill")
         req = preq.req
         self.prefill_starts.append(time.monotonic())
-        seq = self.p.add(req.request_id, list(req.prompt_token_ids), req.params)
+        seq = self.p.add(req.request_id, list(req.prompt_token_ids), req.params, req.block_hashes)
         first = await self.pw.call(self.p.prefill, seq)
         kv = await self.pw.call(self.p.export_kv, seq)
         finish = seq.finish_reason
@@ -219,7 +221,7 @@ class InProcessBackends:
 
     async def relay(self, rreq):
         req = rreq.req
-        seq = self.r.add(req.request_id, list(req.prompt_token_ids), req.params)
+        seq = self.r.add(req.request_id, list(req.prompt_token_ids), req.params, req.block_hashes)
         try:
             if self.fail_relay:
                 self.fail_relay -= 1
@@ -735,7 +737,7 @@ def test_every_pool_full_is_overloaded_not_a_fault(model_dir):
     """No MD can admit the request and neither can the relay: the orchestrator raises Overloaded
     (the router's 503 + Retry-After) before any token, and leaves nothing behind."""
     from pdd_serve.engine.kv import PoolFullError
-    from pdd_serve.serve.orchestrator import Overloaded, is_overloaded
+    from pdd_serve.serve.request_state import Overloaded, is_overloaded
 
     b = InProcessBackends(model_dir, num_md=2, wan_delay_s=0.05)
     _full_md_prepare(b, {0, 1})
@@ -771,7 +773,7 @@ def test_a_request_error_while_decoding_fails_the_request_and_is_not_migrated(mo
     """Non-finite logits (a RequestError) mid-decode: the request's own fault, so it fails (a 400)
     at once; it is not migrated to another MD or handed to the relay as an infrastructure fault."""
     from pdd_serve.engine.sampling import RequestError
-    from pdd_serve.serve.orchestrator import is_request_error
+    from pdd_serve.serve.request_state import is_request_error
 
     b = InProcessBackends(model_dir, num_md=2, wan_delay_s=0.2, relay_step_s=0.01)
     real_decode, real_relay = b.md_decode, b.relay
@@ -820,7 +822,7 @@ def test_a_request_error_while_decoding_fails_the_request_and_is_not_migrated(mo
 def test_router_maps_full_pools_to_503_and_request_errors_to_400():
     from pdd_serve.engine.kv import PoolFullError
     from pdd_serve.engine.sampling import RequestError
-    from pdd_serve.serve.orchestrator import Overloaded
+    from pdd_serve.serve.request_state import Overloaded
     from pdd_serve.serve.router import client_error
 
     class Wrapped(RuntimeError):  # how Ray hands back a replica's exception
@@ -943,3 +945,54 @@ def test_md_replicas_come_and_go_with_the_live_set(model_dir):
 
     out, st = asyncio.run(main())
     assert out == ref and st.info.md_replica == 1 and not st.info.fallbacks, st.info
+
+
+def test_the_prompt_hash_chain_is_computed_once_and_carried(model_dir, monkeypatch):
+    """The Router hashes the prompt once; the DRC view, Prefill, the relay and MD take the chain
+    from GenRequest (each engine re-hashes only the last block, its O(1) check of what it was
+    handed). Before, one request's prompt was hashed ~7 times (and once more per prefill chunk)."""
+    from pdd_serve.engine import engine as engine_mod
+    from pdd_serve.engine import kv as kv_mod
+
+    b = InProcessBackends(model_dir, wan_delay_s=0.05, relay_step_s=0.01)
+    orch = _orch(b, handoff_batch_tokens=1)
+    b.p.prefill = functools.partial(Engine.prefill, b.p, chunk_tokens=32)  # as a Prefill replica chunks
+    prompt = _prompt(200, 5)  # 12 full blocks, prefilled in 7 chunks
+    ref = Engine.from_pretrained(model_dir).generate(prompt, 40)
+    real, calls = kv_mod.chain_hash, []
+
+    def counting(parent, block):
+        h = real(parent, block)
+        calls.append(h)
+        return h
+
+    monkeypatch.setattr(kv_mod, "chain_hash", counting)
+    monkeypatch.setattr(engine_mod, "chain_hash", counting)
+    chain = tuple(block_hashes(prompt, 16))  # what the Router does on its parser thread
+    assert len(calls) == len(chain) == 12
+
+    async def go():
+        await orch.refresh_views()
+        st = RequestState(GenRequest("h1", tuple(prompt), SamplingParams(40), block_hashes=chain))
+        out = [t async for toks in orch.run(st, {"pipeline": "P-RLD-MD", "handoff_mode": "catch-up"})
+               for t in toks]
+        await asyncio.gather(*orch.bg, return_exceptions=True)
+        return out, st
+
+    out, st = asyncio.run(go())
+    assert out == ref and st.info.pipeline == "P-RLD-MD"
+    per_block = {h: calls.count(h) for h in chain}
+    engines = 3  # Prefill, the relay and MD each admitted it once
+    assert per_block[chain[-1]] == 1 + engines, per_block
+    assert all(n == 1 for h, n in per_block.items() if h != chain[-1]), per_block
+
+
+def test_a_carried_hash_chain_for_another_prompt_is_refused(model_dir):
+    e = Engine.from_pretrained(model_dir)
+    prompt, other = _prompt(40, 1), _prompt(40, 2)
+    with pytest.raises(ValueError, match="not this prompt's chain"):
+        e.add("x", prompt, SamplingParams(4), block_hashes(other, 16))
+    with pytest.raises(ValueError, match="not this prompt's chain"):
+        e.add("y", prompt, SamplingParams(4), block_hashes(prompt, 16)[:1])
+    seq = e.add("z", prompt, SamplingParams(4), block_hashes(prompt, 16))
+    assert e.hash_chain(seq) == block_hashes(prompt, 16)

@@ -8,12 +8,14 @@ import math
 
 import pytest
 
+from evaluations.harness import EvalError
 from evaluations.loadgen import SLA, RequestRecord
 from evaluations.scale import (
     JSON_KEYS,
     Sample,
     ScaleConfig,
     ScaleRecord,
+    calibrate,
     compare_outputs,
     headline,
     phase_metrics,
@@ -104,6 +106,7 @@ def test_headline_json_fields():
     assert h["goodput_after_vs_before"] == pytest.approx(1.2 / 0.5)
     assert h["offered_load_ratio"] == 4.0 and h["rate_before"] == 0.5 and h["rate_after"] == 2.0
     assert h["scale_up_s"] == 12.5 and h["errors"] == 1 and h["requests"] == 18
+    assert h["scaled_before_ramp"] is False  # the 2nd replica came in the ramp, not before it
     assert h["md_replicas_that_served_after"] == 2
     assert h["after.requests_per_md_replica"] == {"r1": 6, "r2": 3}
     assert "goodput_after_vs_one_replica" not in h and "goodput(after" in h["goodput_after_vs_before_def"]
@@ -121,6 +124,7 @@ def test_headline_json_fields():
 @pytest.mark.parametrize("kw", [
     {"rate_before": 0},
     {"rate_after": 0.2, "rate_before": 0.3},  # the ramp must raise the load
+    {"load_before": 1.0}, {"load_after": 0.9}, {"probe_s": 0},
     {"before_s": 0}, {"after_s": -1}, {"ramp_timeout_s": 0}, {"sample_s": 0}, {"sample_s": 30},
     {"prompt_tokens": 0}, {"max_tokens": 1}, {"system_tokens": -1},
     {"system_tokens": 4000, "prompt_tokens": 64, "max_tokens": 128},  # past the model's positions
@@ -132,7 +136,24 @@ def test_scale_config_checks(kw):
 
 def test_scale_config_defaults_are_valid():
     d = ScaleConfig()
-    assert d.graph == "graphs/pdd.yaml" and d.rate_after > d.rate_before and d.experiment == "pdd-scale"
+    assert d.graph == "graphs/pdd.yaml" and d.experiment == "pdd-scale"
+    assert d.rate_before is None and d.rate_after is None  # calibrated by the probe on the machine it runs on
+
+
+def test_calibration_is_the_probes_throughput_at_the_target():
+    # 4 clients (the target) in a closed loop, 30 requests in 20 s: 1.5 req/s holds 4 in flight
+    c = calibrate(30, 20.0, 4, ScaleConfig(), 3.0)
+    assert c["capacity_rps"] == 1.5 and c["probe_latency_s"] == pytest.approx(2.6667, abs=1e-4)
+    assert (c["rate_before"], c["rate_after"]) == (0.75, 2.25) and c["calibrated"] == ["rate_before", "rate_after"]
+    assert c["probe_clients"] == 4 and c["probe_md_seqs_mean"] == 3.0
+    slow = calibrate(15, 20.0, 4, ScaleConfig())  # a busier machine gets lower rates
+    assert slow["capacity_rps"] == 0.75 and slow["rate_after"] == 1.125 and slow["probe_md_seqs_mean"] is None
+    kept = calibrate(30, 20.0, 4, ScaleConfig(rate_after=9.0))
+    assert kept["rate_after"] == 9.0 and kept["rate_before"] == 0.75 and kept["calibrated"] == ["rate_before"]
+    with pytest.raises(EvalError, match="rate_after"):
+        calibrate(30, 20.0, 4, ScaleConfig(rate_after=0.5))
+    with pytest.raises(EvalError, match="probe"):
+        calibrate(2, 20.0, 4, ScaleConfig())
 
 
 def test_scale_is_a_registered_command():

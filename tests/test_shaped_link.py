@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from pdd_serve import cluster as C
-from pdd_serve import netns
+from pdd_serve import cluster_cli, netns
 from pdd_serve.engine.kv import KVLayout
 from pdd_serve.netns import NetnsError, ShapedLink, VethNamespace
 from pdd_serve.transport.flight import KVFlightClient
@@ -254,7 +254,7 @@ def test_cli_without_namespaces_says_so_and_starts_nothing(tmp_path: Path, monke
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(netns, "support", lambda: "network namespaces and veth pairs need root (CAP_NET_ADMIN)")
     state = tmp_path / "st"
-    rc = C.main(["up", "--shaped-link", "40mbit", "--state-dir", str(state), "--port", str(_free_port())])
+    rc = cluster_cli.main(["up", "--shaped-link", "40mbit", "--state-dir", str(state), "--port", str(_free_port())])
     err = capsys.readouterr().err
     assert rc == 4
     assert err.strip() == ("pdd cluster up: --shaped-link needs a network namespace and a veth pair, but network "

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from pdd_serve.engine.kv import (
+    ROOT_HASH,
     BlockPool,
     KVBlocks,
     KVError,
@@ -26,6 +27,7 @@ from pdd_serve.engine.kv import (
     PoolFullError,
     block_hashes,
     blocks_needed,
+    chain_hash,
     dtype_name,
     num_full_blocks,
 )
@@ -51,6 +53,18 @@ class Sequence:
     finish_reason: str | None = None  # None while running | "stop" | "length" | "abort"
     arrival: int = 0  # admission order: the youngest sequence is preempted first
     preempted: bool = False  # KV freed for others; `Engine.resume` recomputes it from token_ids
+    # the hash chain of its full blocks: computed once (or carried in from the Router) and only
+    # extended as tokens are appended; token ids are append-only, so a hash never goes stale
+    hashes: list[int] = field(default_factory=list, repr=False)
+
+    def chain(self, block_size: int, num_tokens: int | None = None) -> list[int]:
+        """Hashes of the full blocks among the first `num_tokens` token ids (all of them by default)."""
+        n = num_full_blocks(len(self.token_ids) if num_tokens is None else num_tokens, block_size)
+        if n > len(self.hashes):
+            done = len(self.hashes)
+            parent = self.hashes[-1] if done else ROOT_HASH
+            self.hashes.extend(block_hashes(self.token_ids[done * block_size : n * block_size], block_size, parent))
+        return self.hashes[:n]
 
     @property
     def output_ids(self) -> list[int]:
@@ -107,8 +121,10 @@ class Engine:
 
     # ------------------------------------------------------------ requests
 
-    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
-        """Validate a request and create its state (no KV yet)."""
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+            prompt_hashes: Iterable[int] | None = None) -> Sequence:
+        """Validate a request and create its state (no KV yet). `prompt_hashes`: the prompt's hash
+        chain as the Router computed it (carried, so no replica hashes the prompt again)."""
         if not prompt_token_ids:
             raise RequestError("the prompt is empty: send at least one token")
         vocab = self.args.vocab_size
@@ -123,22 +139,39 @@ class Engine:
         if need > self.pool.num_blocks:  # never fits: the client's request is at fault
             raise RequestError(f"the request needs {need} KV blocks but the pool holds {self.pool.num_blocks}; "
                                "lower max_tokens or raise kv_cache_bytes")
+        seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params,
+                       hashes=self._carried(prompt_token_ids, prompt_hashes))
         # fits, but maybe not now: admit by free blocks, and never ahead of preempted sequences
         # (running work first, as vLLM), so a full pool refuses new work instead of failing old
-        if self.num_preempted or not self._fits(list(prompt_token_ids)):
+        if self.num_preempted or not self._fits(seq):
             raise PoolFullError(f"the KV pool is full ({self.pool.num_free} of {self.pool.num_blocks} blocks free, "
                                 f"{self.num_preempted} preempted requests waiting): retry later or on another replica")
-        return Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params,
-                        arrival=next(self._arrivals))
+        seq.arrival = next(self._arrivals)
+        return seq
 
-    def _fits(self, token_ids: list[int]) -> bool:
-        """Whether KV for `token_ids` plus one sampled token fits now, counting the prefix-cache
-        blocks it would reuse and those the cache could evict."""
+    def _carried(self, prompt: list[int], hashes: Iterable[int] | None) -> list[int]:
+        """A carried hash chain, checked in O(1): one chain per full block, and its last hash
+        recomputed from its parent and its own tokens (a chain for another prompt fails this)."""
+        chain = list(hashes or ())
+        if not chain:
+            return []
+        bs, n = self.block_size, num_full_blocks(len(prompt), self.block_size)
+        if len(chain) != n or chain_hash(chain[-2] if n > 1 else ROOT_HASH, prompt[(n - 1) * bs : n * bs]) != chain[-1]:
+            raise ValueError(f"the carried block hashes ({len(chain)}) are not this prompt's chain of {n} blocks")
+        return chain
+
+    def hash_chain(self, seq: Sequence, num_tokens: int | None = None) -> list[int]:
+        return seq.chain(self.block_size, num_tokens)
+
+    def _fits(self, seq: Sequence) -> bool:
+        """Whether KV for the sequence's tokens plus one sampled token fits now, counting the
+        prefix-cache blocks it would reuse and those the cache could evict."""
         hit: list[int] = []
+        ntok = len(seq.token_ids)
         if self.cache is not None:
-            hashes = block_hashes(token_ids[:-1], self.block_size)
+            hashes = seq.chain(self.block_size, ntok - 1)
             hit = hashes[: self.cache.peek(hashes)]
-        need = blocks_needed(len(token_ids) + 1, self.block_size) - len(hit)
+        need = blocks_needed(ntok + 1, self.block_size) - len(hit)
         if need <= self.pool.num_free:
             return True
         return self.cache is not None and need <= self.pool.num_free + self.cache.evictable(hit)
@@ -150,7 +183,7 @@ class Engine:
         if self.cache is None:
             return 0
         limit = seq.prompt_len - 1 if max_blocks is None else min(seq.prompt_len - 1, max_blocks * self.block_size)
-        m = self.cache.match(seq.token_ids[:limit])
+        m = self.cache.match_hashes(seq.chain(self.block_size, limit), limit)
         if m.hashes:
             self.pool.incref(m.values)
             self.cache.lock(m.hashes)
@@ -194,7 +227,7 @@ class Engine:
         self.preemptions += 1
 
     def can_resume(self, seq: Sequence) -> bool:
-        return self._fits(seq.token_ids)
+        return self._fits(seq)
 
     def resume(self, seq: Sequence) -> int:
         """Recompute a preempted sequence's KV from its token ids and sample its next token:
@@ -202,7 +235,7 @@ class Engine:
         seed), so its stream goes on with nothing lost or repeated."""
         assert seq.preempted and not seq.finished and not seq.block_table
         if self.cache is not None:  # reuse what survived of its blocks (not counted as a request's hit)
-            m = self.cache.match(seq.token_ids[:-1], record=False)
+            m = self.cache.match_hashes(seq.chain(self.block_size, len(seq.token_ids) - 1), record=False)
             if m.hashes:
                 self.pool.incref(m.values)
                 self.cache.lock(m.hashes)
@@ -374,7 +407,7 @@ class Engine:
         n = num_full_blocks(seq.num_computed, self.block_size)
         if n == 0:
             return
-        hashes = block_hashes(seq.token_ids[: n * self.block_size], self.block_size)
+        hashes = seq.chain(self.block_size, n * self.block_size)
         adopted = self.cache.insert(hashes, seq.block_table[:n])
         mine = [h for h, a in zip(hashes, adopted) if a]
         self.pool.incref([b for b, a in zip(seq.block_table, adopted) if a])
@@ -389,7 +422,7 @@ class Engine:
         end_block = nb if end_block is None else min(end_block, nb)
         if not 0 <= start_block <= end_block:
             raise KVError(f"bad block range [{start_block}, {end_block}) for {nb} computed blocks")
-        full = block_hashes(seq.token_ids[: seq.num_computed], self.block_size)
+        full = seq.chain(self.block_size, seq.num_computed)
         hashes = [full[i] if i < len(full) else 0 for i in range(start_block, end_block)]
         ntok = min(seq.num_computed, end_block * self.block_size) - start_block * self.block_size
         return self.pool.export(seq.block_table[start_block:end_block], hashes, start_block, ntok)
@@ -405,7 +438,7 @@ class Engine:
         end = seq.num_computed + blocks.num_tokens
         if end > len(seq.token_ids):
             raise KVError(f"{seq.request_id}: received KV for {end} tokens, the request has {len(seq.token_ids)}")
-        expect = block_hashes(seq.token_ids[:end], bs)[blocks.start_block :]
+        expect = seq.chain(bs, end)[blocks.start_block :]
         got = [h for h in blocks.hashes if h][: len(expect)]
         if got != expect:
             raise KVError(f"{seq.request_id}: received KV blocks do not belong to this request's tokens")

@@ -71,8 +71,13 @@ class EngineBackend(Protocol):
     on_forward: Callable[[ForwardWork], None] | None
     preemptions: int  # requests preempted for lack of KV blocks, in total (stats)
 
-    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
-        """Admit a request (raises PoolFullError when its KV can't fit now)."""
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+            prompt_hashes: Iterable[int] | None = None) -> Sequence:
+        """Admit a request (raises PoolFullError when its KV can't fit now). `prompt_hashes`: the
+        prompt's block-hash chain as the Router computed it, carried so no replica recomputes it."""
+
+    def hash_chain(self, seq: Sequence, num_tokens: int | None = None) -> list[int]:
+        """PDD's block identity: the hash chain of the full blocks among the first `num_tokens`."""
 
     def match_prefix(self, seq: Sequence, max_blocks: int | None = None) -> int:
         """Adopt the longest cached prefix (at most max_blocks); returns the tokens it covers."""

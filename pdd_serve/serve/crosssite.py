@@ -25,8 +25,12 @@ _END = object()
 # chunks a cross-site stream holds between the line and a slow reader: past it, the reader stops
 # pulling from the remote stream. Far above what one latency holds in flight. What this bounds is
 # the Router's own queue; Ray's streaming generator below it still buffers what the replica
-# yields (Serve sets no generator backpressure), so the remote end is not slowed yet: a stalled
-# reader's response accumulates there, in the Router's process, until its stream is closed.
+# yields (Serve sets no generator backpressure), so the remote end is not slowed: a stalled
+# reader's response accumulates there, in the Router's process, until its stream is closed. That
+# buffer is bounded by the request itself: one chunk per decode step (~110 B pickled, a few
+# hundred with Ray's per-item overhead), at most max_tokens of them, so < 2 MB for a 4096-token
+# context, times the streams a Router admits (server.max_queue). Slowing MD for one slow client
+# would stall its whole decode batch; vLLM buffers a slow client's outputs the same way.
 STREAM_QUEUE_BOUND = 256
 
 

@@ -12,7 +12,7 @@ from ray import serve
 
 from pdd_serve.config import PDDConfig
 from pdd_serve.engine.engine import Sequence
-from pdd_serve.engine.kv import block_hashes, blocks_needed
+from pdd_serve.engine.kv import blocks_needed
 from pdd_serve.engine.scheduler import EngineWorker
 from pdd_serve.metrics import ReplicaGauges
 from pdd_serve.serve.common import emulation_stats, load_engine, logger, placement
@@ -92,7 +92,8 @@ class MainDecode:
             if rid in self.seqs:  # a re-delivery after a lost transfer: start the request over
                 await self._drop(rid, cache=False)
             # on the engine thread: admission reads the pool and the cache it changes, and hashes the prompt
-            seq = await self.worker.call(self.engine.add, rid, list(req.prompt_token_ids), req.params)
+            seq = await self.worker.call(self.engine.add, rid, list(req.prompt_token_ids), req.params,
+                                        req.block_hashes)
             self._refuse_if_aborted(req)  # an abort that landed during the await (nothing held yet)
         except BaseException:
             self._wake(rid)  # a call that overtook this prepare learns at once that it failed
@@ -104,7 +105,7 @@ class MainDecode:
             bs = self.engine.block_size
             start = hit // bs
             n = blocks_needed(seq.prompt_len, bs) - start
-            hashes = block_hashes(seq.token_ids[: seq.prompt_len], bs)[start:]
+            hashes = self.engine.hash_chain(seq, seq.prompt_len)[start:]
             hashes += [0] * (n - len(hashes))  # a trailing partial block has no identity
             self.flight.expect(rid, n, start_block=start, num_tokens=seq.prompt_len - hit, hashes=hashes)
         except BaseException:  # nothing registered: give back the adopted prefix blocks

@@ -27,6 +27,9 @@ class GenRequest:
     # which registration at MD this is (a re-delivery is attempt + 1): an abort for an earlier
     # attempt that arrives late neither drops nor refuses a later one
     attempt: int = 0
+    # the prompt's block-hash chain (engine.kv.block_hashes), computed once by the Router and
+    # carried: the router's DRC view, Prefill, the relay and MD all key blocks by it
+    block_hashes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -14,188 +14,42 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Protocol, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Hashable
+from dataclasses import replace
+from typing import Any, TypeVar
 
 from pdd_serve.config import PDDConfig
-from pdd_serve.engine.kv import PoolFullError, block_hashes, blocks_needed
+from pdd_serve.engine.kv import blocks_needed
 from pdd_serve.engine.sampling import RequestError
-from pdd_serve.policy import (
-    LinkEstimate,
-    catchup_done,
-    choose_pipeline,
-    pick_md,
-    plan_handoff,
-    wan_backlog,
-)
+from pdd_serve.policy import LinkEstimate, catchup_done, choose_pipeline, pick_md, plan_handoff, wan_backlog
+from pdd_serve.serve.backends import Backends, MDKey
 from pdd_serve.serve.md_index import MDIndex
 from pdd_serve.serve.messages import (
-    GenRequest,
     KVReady,
     KVTarget,
     LineState,
     MDPrepareReply,
-    MDView,
     PrefillRequest,
     PrefillResult,
     RelayRequest,
-    RelaySaturated,
     TokenChunk,
 )
+from pdd_serve.serve.relay_reader import _RelayReader
+from pdd_serve.serve.request_state import (
+    Overloaded,
+    RelayLost,
+    RequestState,
+    _prompt_hashes,
+    _relay_fault,
+    is_overloaded,
+    is_request_error,
+)
+from pdd_serve.serve.tasks import _follow, _spawn
 
 T = TypeVar("T")
 # a prefill call reaches its replica (same site) within this of the decision; one that a retry
 # delays past it may be missing from both the router's entries and the report for one period
 _REPORT_SLACK_S = 0.05
-# an MD replica's key: its Serve replica id (the request router pins calls to it); tests use ints
-MDKey = Hashable
-
-
-class RelayLost(RuntimeError):
-    """RLD failed mid-stream (its replica died, or it refused the request): MD takes over."""
-
-
-class Overloaded(RuntimeError):
-    """Every pool that could take the request is full now: not a fault, and not the client's.
-    The Router answers 503 + Retry-After."""
-
-
-def _cause(e: BaseException) -> BaseException:
-    return getattr(e, "cause", None) or e  # Ray wraps a replica's exception (RayTaskError)
-
-
-def is_request_error(e: BaseException) -> bool:
-    """The request itself is bad (e.g. non-finite logits): a 400, never migrated as a fault."""
-    return isinstance(e, RequestError) or isinstance(_cause(e), RequestError)
-
-
-def is_overloaded(e: BaseException) -> bool:
-    """A pool could not admit the request now (PoolFullError): retry later, not a dead replica."""
-    return any(isinstance(x, (PoolFullError, Overloaded, RelaySaturated)) for x in (e, _cause(e)))
-
-
-def _relay_fault(e: BaseException) -> str:
-    """A relay that refused (its pool is at relay_max_running, whichever routers sent) is full,
-    not lost: the request goes to MD all the same."""
-    full = is_overloaded(e) or is_overloaded(e.__cause__ or e) or "RelaySaturated" in f"{type(e).__name__}: {e}"
-    return "relay_full" if full else "relay_lost"
-
-
-def _follow(tasks: dict[Hashable, asyncio.Task], live: list[Hashable], start: Callable[[Hashable], Any]) -> None:
-    """One task per live replica: new replicas get one, removed ones' are cancelled."""
-    for i in [i for i in tasks if i not in live]:
-        tasks.pop(i).cancel()
-    for i in live:
-        if i not in tasks:
-            tasks[i] = _spawn(start(i))
-
-
-def _spawn(aw: Awaitable[T]) -> asyncio.Future[T]:
-    """A task whose exception is always retrieved (a cancelled relay read may fail after the cut)."""
-    fut = asyncio.ensure_future(aw)
-    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-    return fut
-
-
-class _RelayReader:
-    """RLD's token stream for one request, read in phases (until the KV is ready, until a catch-up
-    batch lands, or to the end) and cut at the handoff."""
-
-    def __init__(self, orch: Orchestrator, st: RequestState, stream: Any) -> None:
-        self.o, self.st = orch, st
-        self.it = stream.__aiter__()
-        self.nxt: asyncio.Future = _spawn(self.it.__anext__())
-        self.finished = False  # RLD produced the finish reason
-        self.closed = False
-
-    async def until(self, fut: asyncio.Future | None) -> AsyncIterator[list[int]]:
-        """Commit and yield RLD's tokens until `fut` completes (None: until RLD finishes)."""
-        while not self.finished and (fut is None or not fut.done()):
-            try:
-                await self.o._wait_any(self.nxt, fut)
-                if not self.nxt.done():
-                    continue
-                toks, self.finished = self.o._take(self.st, self.nxt)
-            except Exception as e:  # noqa: BLE001 - the relay's failure, whatever it raised
-                if is_request_error(e):  # the request's own fault: MD would fail it the same way
-                    raise
-                raise RelayLost(f"{type(e).__name__}: {e}") from e
-            if toks:
-                yield toks
-            if not self.finished:
-                self.nxt = _spawn(self.it.__anext__())
-
-    async def cut(self) -> None:
-        """Stop RLD (its KV is freed); a token it produced past the cut was never committed."""
-        self.closed = True
-        if not self.nxt.done():
-            self.nxt.cancel()
-        await Orchestrator._close(self.it)
-        # let go of the stream and its last read: a cancelled read's traceback holds the stream's
-        # frames, and through them its request (with the KV's ObjectRef) for as long as MD decodes
-        self.it = self.nxt = None
-
-
-class Backends(Protocol):
-    """What the orchestrator needs from the deployments (the Router adapts Serve handles)."""
-
-    def md_replicas(self) -> list[MDKey] | None: ...  # the MD replicas live now (None: not known yet)
-
-    async def md_view(self, i: MDKey, known: tuple[str, int] | None) -> MDView: ...
-    async def md_prepare(self, i: MDKey, req: GenRequest, planned_start: int | None) -> MDPrepareReply: ...
-    async def md_wait_kv(self, i: MDKey, request_id: str, timeout_s: float) -> KVReady: ...
-    async def md_handoff_batch(self, i: MDKey, request_id: str, token_ids: list[int], timeout_s: float) -> int: ...
-    def md_decode(self, i: MDKey, request_id: str, committed: list[int], timeout_s: float) -> AsyncIterator[TokenChunk]: ...
-    async def md_absorb(self, i: MDKey, request_id: str, output_ids: list[int], timeout_s: float) -> bool: ...
-    async def md_abort(self, i: MDKey, request_id: str, attempt: int | None) -> bool: ...
-    async def prefill(self, preq: PrefillRequest) -> PrefillResult: ...
-    def prefill_replicas(self) -> list[Hashable] | None: ...  # the Prefill replicas live now
-    async def line_state(self, i: Hashable) -> LineState: ...  # what Prefill replica i has on the line
-    def relay_load(self) -> int | None: ...  # the relay pool's running requests (its routing stats)
-    def relay(self, rreq: RelayRequest) -> AsyncIterator[TokenChunk]: ...
-
-
-@dataclass
-class PDDInfo:
-    """The `pdd` object each response carries: what PDD did with the request."""
-
-    pipeline: str = ""
-    handoff_mode: str = "none"
-    handoff_batches: int = 0
-    eager_tokens: int = 0  # tokens the client got from RLD
-    md_tokens: int = 0
-    wan_bytes: int = 0
-    md_replica: MDKey | None = None
-    prefix_hit_p: float = 0.0
-    prefix_hit_md: float = 0.0
-    ttft_s: float = 0.0
-    # where a TTFT went (P->MD): the router's decision, prefill as the router saw it, MD's wait for
-    # the KV after the decode call landed, MD's first step; the rest is the calls across the line
-    decision_s: float | None = None
-    prefill_s: float | None = None
-    md_kv_wait_s: float | None = None
-    md_step_s: float | None = None
-    kv_ready_s: float | None = None
-    handoff_s: float | None = None
-    reason: str = ""
-    fallback: str | None = None  # the last fault path taken, with its cause
-    fallbacks: list[str] = field(default_factory=list)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self).items()}
-
-
-@dataclass
-class RequestState:
-    gen: GenRequest
-    info: PDDInfo = field(default_factory=PDDInfo)
-    committed: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    # a decoder (or P) ended the request itself; else (a stop string, max_tokens at the router,
-    # the client gone, a fault) every decoder still working on it must be stopped
-    decoder_done: bool = False
-    t0: float = field(default_factory=time.monotonic)
 
 
 class Orchestrator:
@@ -238,7 +92,7 @@ class Orchestrator:
         gen, info, pol = st.gen, st.info, self.cfg.policy
         prompt = list(gen.prompt_token_ids)
         bs = self.cfg.model.block_size
-        hashes, nblocks = block_hashes(prompt, bs), blocks_needed(len(prompt), bs)
+        hashes, nblocks = _prompt_hashes(gen, bs), blocks_needed(len(prompt), bs)
         if not self.index.ready:  # only before the first view: one round trip, once per router
             await self.refresh_views()
         statuses = [self.index.status(i, hashes) for i in self.md_replicas()]
@@ -498,7 +352,7 @@ class Orchestrator:
         st.gen = gen = replace(st.gen, attempt=st.gen.attempt + 1)
         prompt = list(gen.prompt_token_ids)
         bs = self.cfg.model.block_size
-        hashes = block_hashes(prompt, bs)
+        hashes = _prompt_hashes(gen, bs)
         statuses = [self.index.status(i, hashes) for i in self.md_replicas()]
         others = [s for s in statuses if s.index != avoid and s.healthy]
         # no view of any MD (all gone or new): Serve's request router picks the least loaded

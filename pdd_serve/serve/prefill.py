@@ -208,7 +208,7 @@ class Prefill:
         except PrefillAbandoned:
             self.abandoned += 1
             raise
-        return self.engine.add(req.request_id, list(req.prompt_token_ids), req.params)
+        return self.engine.add(req.request_id, list(req.prompt_token_ids), req.params, req.block_hashes)
 
     def _prefill_once(self, seq: Sequence, on_chunk: Callable[[Sequence], None],
                       to_relay: bool, stop: _Stop | None = None) -> tuple[int, str | None, KVBlocks | None]:

@@ -68,7 +68,8 @@ class Relay:
         self.live.add(req.request_id)  # counted before any await: the check above stays atomic
         self.peak_live = max(self.peak_live, len(self.live))
         try:  # admission reads the pool and the cache and hashes the prompt: on the engine thread
-            seq = await self.worker.call(self.engine.add, req.request_id, list(req.prompt_token_ids), req.params)
+            seq = await self.worker.call(self.engine.add, req.request_id, list(req.prompt_token_ids), req.params,
+                                        req.block_hashes)
         except BaseException:
             self.live.discard(req.request_id)
             raise

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
 from pdd_serve.config import PDDConfig
+from pdd_serve.engine.kv import block_hashes
 from pdd_serve.engine.sampling import SamplingParams
 from pdd_serve.metrics import RouterMetrics
 from pdd_serve.policy import LinkEstimate
@@ -24,8 +25,9 @@ from pdd_serve.serve import openai_api as oai
 from pdd_serve.serve.common import logger
 from pdd_serve.serve.crosssite import STREAM_QUEUE_BOUND, site_handle
 from pdd_serve.serve.messages import GenRequest
-from pdd_serve.serve.orchestrator import Orchestrator, RequestState, is_overloaded
-from pdd_serve.serve.pinning import ReplicaGone, live_replicas, pin, replica_stats
+from pdd_serve.serve.orchestrator import Orchestrator
+from pdd_serve.serve.pinning import ReplicaGone, live_replicas, pin, replica_stats, this_replica
+from pdd_serve.serve.request_state import RequestState, is_overloaded
 
 api = FastAPI(title="pdd_serve", description="PDD: Prefill -> Relay decode -> Main decode, OpenAI-compatible API")
 POOL_FULL_RETRY_AFTER_S = 1.0  # a pool frees as its requests finish: seconds, not minutes
@@ -84,7 +86,7 @@ class ServeBackends:
         """The most chunks a cross-site stream held for a slow reader (bounded: STREAM_QUEUE_BOUND)."""
         return max((getattr(h, "max_stream_queue", 0) for h in (self.p, self.r, self.md) if h is not None), default=0)
 
-    def md_replicas(self):  # noqa: ANN201 - signatures in orchestrator.Backends
+    def md_replicas(self):  # noqa: ANN201 - signatures in backends.Backends
         return _live(self._md_id)
 
     # every call about a request is pinned to the MD replica that holds it (`pinning.py`);
@@ -219,7 +221,7 @@ class Router:
                 "control_messages_delayed": self.backends.control_messages_delayed,
                 "gone_pins_not_sent": self.backends.gone_pins,
                 "max_stream_queue": self.backends.max_stream_queue, "stream_queue_bound": STREAM_QUEUE_BOUND,
-                "wan_backlog_bytes": sum(line.backlog), **placement()}
+                "wan_backlog_bytes": sum(line.backlog), "replica": this_replica(), **placement()}
 
     # ------------------------------------------------------------ request handling
 
@@ -243,9 +245,8 @@ class Router:
             raw = await request.body()
             # tokenizing a large body takes a while: off the event loop, where other streams flow, on
             # one thread (a fast tokenizer used from two threads at once can fail "already borrowed")
-            creq = await asyncio.get_running_loop().run_in_executor(self._parser, functools.partial(
-                oai.parse_request, raw, kind, self.cfg.server, self.tokenizer, self.max_model_len,
-                self.cfg.policy.allow_overrides, headers=request.headers))
+            creq, hashes = await asyncio.get_running_loop().run_in_executor(self._parser, functools.partial(
+                self._parse, raw, kind, request.headers))
             forced = (creq.pdd_override or {}).get("pipeline")
             if forced is not None and forced not in self.cfg.policy.pipelines:
                 raise oai.APIError(400, "invalid_request_error", f"pipeline {forced} is not enabled in this graph "
@@ -259,7 +260,8 @@ class Router:
             self.in_flight -= 1
             raise
         rid = oai.new_request_id(kind)
-        st = RequestState(GenRequest(f"{rid}-{uuid.uuid4().hex[:6]}", creq.prompt_token_ids, params))
+        st = RequestState(GenRequest(f"{rid}-{uuid.uuid4().hex[:6]}", creq.prompt_token_ids, params,
+                                     block_hashes=hashes))
         if not creq.stream:
             return await self._complete(creq, st, rid)
         # admission happens before the first token: wait for it before the 200 goes out, so a
@@ -274,6 +276,13 @@ class Router:
             err = self._refused(e, st)
             return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
         return StreamingResponse(self._stream(creq, st, rid, head, tokens), media_type="text/event-stream")
+
+    def _parse(self, raw: bytes, kind: str, headers: Any) -> tuple[oai.CompletionRequest, tuple[int, ...]]:
+        """On the parser thread: the request, and its prompt's block-hash chain, computed here once
+        for the whole graph (the DRC view, Prefill, the relay and MD all take it from GenRequest)."""
+        creq = oai.parse_request(raw, kind, self.cfg.server, self.tokenizer, self.max_model_len,
+                                 self.cfg.policy.allow_overrides, headers=headers)
+        return creq, tuple(block_hashes(list(creq.prompt_token_ids), self.cfg.model.block_size))
 
     def _refused(self, e: BaseException, st: RequestState) -> oai.APIError:
         err = client_error(e, st.gen.request_id)

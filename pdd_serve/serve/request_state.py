@@ -1,0 +1,98 @@
+"""One request as the orchestrator carries it, and how a failure on its way is classified.
+
+`RequestState` is what the Router hands the orchestrator and reads back (the committed tokens,
+the finish reason, and `PDDInfo`, the `pdd` object its response reports). The exceptions and
+`is_request_error` / `is_overloaded` decide what a failure means: the request's own fault (a 400),
+a full pool (503 + Retry-After), or a lost relay (MD takes over). They are separate from the
+orchestrator because the Router uses the same state and classification to answer the client,
+without the pipelines that fill them in. `_prompt_hashes` reads a request's prompt block chain.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pdd_serve.engine.kv import PoolFullError, block_hashes
+from pdd_serve.engine.sampling import RequestError
+from pdd_serve.serve.backends import MDKey
+from pdd_serve.serve.messages import GenRequest, RelaySaturated
+
+
+class RelayLost(RuntimeError):
+    """RLD failed mid-stream (its replica died, or it refused the request): MD takes over."""
+
+
+class Overloaded(RuntimeError):
+    """Every pool that could take the request is full now: not a fault, and not the client's.
+    The Router answers 503 + Retry-After."""
+
+
+def _cause(e: BaseException) -> BaseException:
+    return getattr(e, "cause", None) or e  # Ray wraps a replica's exception (RayTaskError)
+
+
+def is_request_error(e: BaseException) -> bool:
+    """The request itself is bad (e.g. non-finite logits): a 400, never migrated as a fault."""
+    return isinstance(e, RequestError) or isinstance(_cause(e), RequestError)
+
+
+def is_overloaded(e: BaseException) -> bool:
+    """A pool could not admit the request now (PoolFullError): retry later, not a dead replica."""
+    return any(isinstance(x, (PoolFullError, Overloaded, RelaySaturated)) for x in (e, _cause(e)))
+
+
+def _relay_fault(e: BaseException) -> str:
+    """A relay that refused (its pool is at relay_max_running, whichever routers sent) is full,
+    not lost: the request goes to MD all the same."""
+    full = is_overloaded(e) or is_overloaded(e.__cause__ or e) or "RelaySaturated" in f"{type(e).__name__}: {e}"
+    return "relay_full" if full else "relay_lost"
+
+
+def _prompt_hashes(gen: GenRequest, block_size: int) -> list[int]:
+    """The chain the Router computed on its parser thread (computed here only for a caller that
+    built its GenRequest without one)."""
+    return list(gen.block_hashes) or block_hashes(list(gen.prompt_token_ids), block_size)
+
+
+@dataclass
+class PDDInfo:
+    """The `pdd` object each response carries: what PDD did with the request."""
+
+    pipeline: str = ""
+    handoff_mode: str = "none"
+    handoff_batches: int = 0
+    eager_tokens: int = 0  # tokens the client got from RLD
+    md_tokens: int = 0
+    wan_bytes: int = 0
+    md_replica: MDKey | None = None
+    prefix_hit_p: float = 0.0
+    prefix_hit_md: float = 0.0
+    ttft_s: float = 0.0
+    # where a TTFT went (P->MD): the router's decision, prefill as the router saw it, MD's wait for
+    # the KV after the decode call landed, MD's first step; the rest is the calls across the line
+    decision_s: float | None = None
+    prefill_s: float | None = None
+    md_kv_wait_s: float | None = None
+    md_step_s: float | None = None
+    kv_ready_s: float | None = None
+    handoff_s: float | None = None
+    reason: str = ""
+    fallback: str | None = None  # the last fault path taken, with its cause
+    fallbacks: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+
+
+@dataclass
+class RequestState:
+    gen: GenRequest
+    info: PDDInfo = field(default_factory=PDDInfo)
+    committed: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    # a decoder (or P) ended the request itself; else (a stop string, max_tokens at the router,
+    # the client gone, a fault) every decoder still working on it must be stopped
+    decoder_done: bool = False
+    t0: float = field(default_factory=time.monotonic)
