@@ -256,9 +256,15 @@ class FlightConfig:
     deadline_s: float = 60.0
     max_bytes_per_request: int = 256 << 20
     max_bytes_total: int = 1 << 30
+    # KV one Prefill replica may hold for transfers still on the line (real bytes). A slow line
+    # drains slower than prefill computes: past this, a prefill that would add to the line is
+    # refused at admission (the router retries, takes the relay path or answers 503), instead
+    # of its blocks waiting in memory without bound. One transfer always fits, however large
+    send_buffer_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         _require(0 <= self.port < 65536, f"flight.port must be in [0, 65535], got {self.port}")
+        _require(self.send_buffer_bytes > 0, f"flight.send_buffer_bytes must be > 0, got {self.send_buffer_bytes}")
         _require((self.tls_cert is None) == (self.tls_key is None), "flight.tls_cert and flight.tls_key go together")
         _require(self.batch_blocks > 0 and self.deadline_s > 0, "flight.batch_blocks and flight.deadline_s must be > 0")
         _require(1 <= self.streams <= 16, f"flight.streams must be in [1, 16], got {self.streams}")

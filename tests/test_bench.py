@@ -58,3 +58,5 @@ def test_flight_streams_setting_is_checked():
     for bad in (0, 17):
         with pytest.raises(ConfigError, match="flight.streams"):
             FlightConfig(streams=bad)
+    with pytest.raises(ConfigError, match="flight.send_buffer_bytes"):
+        FlightConfig(send_buffer_bytes=0)

@@ -532,3 +532,45 @@ def test_admission_runs_on_the_engine_thread(cfg, md) -> None:
         prefill.worker._exec.shutdown(wait=True)
     calls = [c for r in adds.values() for c in r.calls]
     assert len(calls) == 2 and all(name.startswith("pdd-engine") and not on_loop for name, on_loop in calls), calls
+
+
+def test_a_full_send_buffer_refuses_prefills_that_would_add_to_the_line(cfg, md) -> None:
+    """Prefill's KV for transfers still on the line is capped (flight.send_buffer_bytes): while a
+    stalled transfer holds the buffer, a prefill that would add to the line is refused at
+    admission as overloaded (the router retries or goes elsewhere), one that needs no WAN
+    transfer still runs, and the buffer returns to 0 when the transfer ends."""
+    import dataclasses
+
+    from pdd_serve.engine.kv import PoolFullError
+    from pdd_serve.serve.messages import KVTarget, PrefillRequest
+    from pdd_serve.serve.prefill import Prefill
+    from pdd_serve.serve.request_state import is_overloaded
+
+    block_bytes = md.engine.layout.block_bytes
+    cfg = dataclasses.replace(cfg, flight=dataclasses.replace(cfg.flight, send_buffer_bytes=BLOCKS * block_bytes),
+                              policy=dataclasses.replace(cfg.policy, allow_fault_injection=True))
+    prefill = Prefill.func_or_class(cfg)
+    prefill.inject("stall", 1.5)  # the first transfer's line stalls mid-stream
+
+    async def main() -> None:
+        a = await md.prepare(_req("held"))
+        await prefill.prefill(PrefillRequest(_req("held"), False, KVTarget(a.flight_location, a.start_block)))
+        assert prefill.send_buffered == BLOCKS * block_bytes  # its transfer is still on the line
+        b = await md.prepare(_req("refused"))
+        with pytest.raises(PoolFullError, match="send_buffer_bytes") as e:
+            await prefill.prefill(PrefillRequest(_req("refused"), False, KVTarget(b.flight_location, b.start_block)))
+        assert is_overloaded(e.value)
+        local = await prefill.prefill(PrefillRequest(_req("no-wan"), False, None))  # P->RLD: nothing on the line
+        assert local.first_token >= 0
+        assert (await md.wait_kv("held", 10)).ok
+        await _until(lambda: prefill.send_buffered == 0)
+        ok = await prefill.prefill(PrefillRequest(_req("refused"), False, KVTarget(b.flight_location, b.start_block)))
+        assert ok.first_token >= 0 and (await md.wait_kv("refused", 10)).ok
+
+    try:
+        asyncio.run(main())
+        assert prefill.send_refused == 1 and prefill.stats().extra["send_refused"] == 1
+        assert prefill.send_buffered == 0
+    finally:
+        prefill.worker._exec.shutdown(wait=True)
+        prefill._senders.shutdown(wait=True)

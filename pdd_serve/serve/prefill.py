@@ -15,7 +15,7 @@ from ray import serve
 
 from pdd_serve.config import PDDConfig
 from pdd_serve.engine.engine import Sequence
-from pdd_serve.engine.kv import KVBlocks, blocks_needed, num_full_blocks
+from pdd_serve.engine.kv import KVBlocks, PoolFullError, blocks_needed, num_full_blocks
 from pdd_serve.engine.scheduler import EngineWorker
 from pdd_serve.policy import wan_backlog
 from pdd_serve.serve.common import emulation_stats, load_engine, logger, placement
@@ -63,8 +63,10 @@ class _Stop:
 class _BlockFeed:
     """Hands a request's finished blocks from the engine thread to its Flight sender thread."""
 
-    def __init__(self, target: KVTarget, fault: tuple[str, float] | None = None, wait_s: float | None = None) -> None:
+    def __init__(self, target: KVTarget, fault: tuple[str, float] | None = None, wait_s: float | None = None,
+                 reserved: int = 0) -> None:
         self.target = target
+        self.reserved = reserved  # its bytes in the replica's send buffer, given back when the transfer ends
         self.wait_s = wait_s  # the longest a sender waits for the next block: a pooled sender thread never hangs
         self.fault = fault  # ("stall", seconds) | ("cut", 0), injected by tests and the soak
         self.applied: str | None = None
@@ -136,6 +138,8 @@ class Prefill:
         # request -> (KV bytes it sends, when it started): what this replica has on the line now.
         # The sender knows the line's backlog; routers poll `line_state` and plan with it
         self.on_line: dict[tuple[str, int], tuple[int, float]] = {}  # by (request, transfer): a resend is its own
+        self.send_buffered = 0  # real KV bytes of transfers admitted and not yet ended (<= the cap, but one)
+        self.send_refused = 0  # prefills refused because that buffer was full
         self.prefilling = 0  # prefill calls in progress (the routing stats' load)
         self.abandoned = 0  # prefills stopped early: past the router's budget, or the caller gone
         self.replica = this_replica()
@@ -157,13 +161,16 @@ class Prefill:
         # a duplicate of its work running. The budget counts from the call's arrival: time queued
         # behind a burst for admission is spent from it too
         stop = _Stop(None if preq.budget_s is None else time.monotonic() + preq.budget_s)
+        held = self._reserve_send(req, preq.md_target)
         try:
             seq = await self.worker.call(self._admit, req, stop)
-        except asyncio.CancelledError:
-            self.abandoned += 1  # the caller went away before admission: nothing was computed
+        except BaseException as e:
+            self._unreserve(held)
+            if isinstance(e, asyncio.CancelledError):
+                self.abandoned += 1  # the caller went away before admission: nothing was computed
             raise
-        feed = (_BlockFeed(preq.md_target, self._take_fault("link"), self.cfg.real_s(self.cfg.flight.deadline_s))
-                if preq.md_target is not None else None)
+        feed = (_BlockFeed(preq.md_target, self._take_fault("link"), self.cfg.real_s(self.cfg.flight.deadline_s),
+                           held) if preq.md_target is not None else None)
         die = self._take_fault("die_in_prefill")
         if feed is not None:
             t = preq.md_target
@@ -199,6 +206,28 @@ class Prefill:
         wan = int(feed.nbytes * self.kv_scale) if feed is not None else 0
         return PrefillResult(first, finish, seq.prefix_hit_tokens, (time.perf_counter() - t0) / self.cfg.time_scale,
                              wan, kv_ref, self.bw.bps)
+
+    def _reserve_send(self, req: GenRequest, target: KVTarget | None) -> int:
+        """Count the KV this request will put on the line against the replica's send buffer, or
+        refuse it (PoolFullError: the router's overload path) when the buffer is full."""
+        if target is None:
+            return 0
+        bs = self.engine.block_size
+        end = blocks_needed(len(req.prompt_token_ids), bs) if target.end_block is None else target.end_block
+        need = max(0, end - target.start_block) * self.engine.layout.block_bytes
+        cap = self.cfg.flight.send_buffer_bytes
+        with self._send_lock:
+            if self.send_buffered and self.send_buffered + need > cap:
+                self.send_refused += 1
+                raise PoolFullError(f"this Prefill replica holds {self.send_buffered} bytes of KV still on the line "
+                                    f"(flight.send_buffer_bytes {cap}): {req.request_id} waits, goes to the relay "
+                                    "or is retried later")
+            self.send_buffered += need
+        return need
+
+    def _unreserve(self, nbytes: int) -> None:
+        with self._send_lock:
+            self.send_buffered -= nbytes
 
     def _admit(self, req: GenRequest, stop: _Stop) -> Sequence:
         """On the engine thread: admission reads the pool and the prefix cache that thread changes,
@@ -261,6 +290,7 @@ class Prefill:
             finally:
                 with self._send_lock:
                     self.sending -= 1
+                    self.send_buffered -= feed.reserved  # the transfer ended: its blocks left the buffer
                 self.on_line.pop((request_id, id(feed)), None)
 
         self._senders.submit(send)
@@ -303,4 +333,5 @@ class Prefill:
             transfers = dict(self.transfers)
         return ReplicaStats("prefill", self.worker.num_running, e.pool.num_free, e.pool.num_blocks,
                             e.cache.num_blocks, e.cache.stats.hit_rate,
-                            {**transfers, "prefills_abandoned": self.abandoned, **emulation_stats(e), **self.where})
+                            {**transfers, "prefills_abandoned": self.abandoned, "send_buffered_bytes": self.send_buffered,
+                             "send_refused": self.send_refused, **emulation_stats(e), **self.where})
