@@ -574,3 +574,22 @@ def test_a_full_send_buffer_refuses_prefills_that_would_add_to_the_line(cfg, md)
     finally:
         prefill.worker._exec.shutdown(wait=True)
         prefill._senders.shutdown(wait=True)
+
+
+def test_the_flight_expect_wait_derives_from_the_link(cfg) -> None:
+    """A push may land before MD's `expect` (the prepare crosses the control plane while Prefill
+    computes): the server's wait for it is the dispatch floor plus the line's one-way delay twice,
+    not a fixed 2 s whatever the link."""
+    import dataclasses
+
+    from pdd_serve.config import LinkConfig
+    from pdd_serve.serve.main_decode import EXPECT_WAIT_FLOOR_S, MainDecode
+
+    for one_way in (0.0, 0.25):
+        c = dataclasses.replace(cfg, link=LinkConfig(overrides=(("one_way_latency_s", one_way),)))
+        replica = MainDecode.func_or_class(c)
+        try:
+            assert replica.flight.expect_wait_s == pytest.approx(EXPECT_WAIT_FLOOR_S + 2 * one_way)
+        finally:
+            replica.flight.close()
+            replica.worker._exec.shutdown(wait=True)

@@ -24,11 +24,15 @@ class MDRequestError(RuntimeError):
     """The router asked about a request this MD replica does not hold (restarted, aborted)."""
 
 
+EXPECT_WAIT_FLOOR_S = 2.0  # Serve's dispatch of a prepare + MD's admission, under load (emulated seconds)
+
+
 # One deployment, any number of replicas (`num_replicas` or an `autoscaling_config` in the graph):
 # Serve's request router pins every call about a request to the replica that holds it
 # (`pinning.py`). No per-call access log: every router polls `routing_view` several times a
 # second (the Router's own access log shows every request; a graph's `logging_config` can turn
 # this back on).
+
 @serve.deployment(max_ongoing_requests=512, health_check_period_s=5, logging_config={"enable_access_log": False},
                   graceful_shutdown_timeout_s=30,
                   request_router_config={"request_router_class": ROUTER_CLASS,
@@ -310,7 +314,13 @@ class MainDecode:
                                 tls_cert=fl.tls_cert, tls_key=fl.tls_key, advertise_host=fl.advertise_host,
                                 max_bytes_per_request=fl.max_bytes_per_request, max_bytes_total=fl.max_bytes_total,
                                 mac_key=fl.mac_key)
-        server.expect_wait_s = self.cfg.real_s(server.expect_wait_s)  # a prepare crossing the line, in slow motion
+        # a push may land before its `expect`: the prepare crosses the control plane (one way)
+        # while Prefill computes its first chunk, then waits for Serve's dispatch and this
+        # replica's engine thread. The wait: that dispatch floor plus the line's one-way delay
+        # twice (the base delay of the emulated link; a trace's extra delay is not known here),
+        # in slow motion when emulated
+        one_way = self.cfg.link_model(self.engine.layout.bytes_per_token).latency_at(0.0)
+        server.expect_wait_s = self.cfg.real_s(EXPECT_WAIT_FLOOR_S + 2 * one_way)
         return server
 
     def _seq(self, request_id: str) -> Sequence:
