@@ -359,8 +359,10 @@ tokens; --max-tokens out, greedy, ignore_eos) in four phases:
 The MD replica count is sampled every 0.5 s (serve.status(), the replica actors). Afterwards every
 streamed answer is checked against one reference engine's greedy token ids.
 
-Takes ~6-7 minutes with the defaults on a 2-core machine (cluster start and deploy ~1 min, the
-phases ~3 min, the reference check ~1.5 min); --control adds ~2 min. Prints a table per phase
+Takes ~6-8 minutes with the defaults on a 2-core machine (5 min 41 s measured: cluster start,
+the probe's deploy and probe ~1 min, the graph's deploy ~0.5 min, the phases ~3.5 min, the
+reference check ~0.5 min);
+--control adds ~2 min; giving both --rate-before and --rate-after skips the probe. Prints a table per phase
 (offered rate, MD replicas, TTFT/ITL P50/P90, SLA attainment, SLA goodput, requests per MD replica)
 and one final JSON line:
 
