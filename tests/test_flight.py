@@ -113,6 +113,26 @@ def test_parallel_streams_share_one_bounded_pool(server: KVFlightServer, monkeyp
     assert peak <= 1
 
 
+def test_a_late_extra_stream_does_not_fail_a_finished_push(server: KVFlightServer,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """An extra stream queued in the shared pool may start after stream 0 sent everything and MD
+    released the request: it must not dial (the receiver would answer "unknown request" after its
+    expect wait, failing a transfer that was whole). Before the fix: 16 of 20 failed here."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(flight_client, "_STREAM_POOL", ThreadPoolExecutor(1, thread_name_prefix="kv-push-late"))
+    kv = make_blocks(LAYOUT, 60, seed=4)
+    for i in range(10):
+        rid = f"late{i}"
+        server.expect(rid, 60)
+        md = threading.Thread(target=lambda r=rid: (server.wait_complete_sync(r, 10), server.release(r)))
+        md.start()
+        t0 = time.monotonic()
+        res = client(server, batch_blocks=2, parallel_streams=3).push(rid, [kv])
+        assert res.blocks_sent >= 60 and time.monotonic() - t0 < server.expect_wait_s
+        md.join()
+
+
 def test_parallel_streams_and_async_feed(server: KVFlightServer) -> None:
     kv = make_blocks(LAYOUT, 40, seed=1)
     server.expect("par", 40)

@@ -342,6 +342,11 @@ class KVFlightClient:
 
     def _stream(self, request_id: str, src: _Feed, resend: deque[KVBlocks], unacked: deque[KVBlocks],
                 deadline: float, c: _Counters, slot: int) -> None:
+        if not resend:  # take a run before dialing: a stream that starts late (an extra one queued
+            run = next(src, None)  # in the shared pool) finds the feed drained and must not open a
+            if run is None:  # call the receiver may already have released ("unknown request")
+                return
+            resend.append(run)  # held for a resume until written and acked
         client = self._connect(slot)
         writer = None
         try:
