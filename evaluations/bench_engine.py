@@ -17,6 +17,8 @@ Fair by construction:
 - The ceiling beside `batch16_vs_hf_batch16`: HF's batched decode time over the bare weight
   matmuls of the same batch (no attention, no overhead), which no engine running these weights
   in fp32 on this CPU can go below.
+- Batch invariance (`model.batch_invariant`, on by default: float64 where float32 kernels differ
+  by batch) against the same engine with float32 kernels throughout: prefill and batched decode.
 Repeats are interleaved (a noisy neighbour slows every side alike); medians are reported, ratios
 are medians of per-repeat ratios. Prints a table, then one JSON line.
 """
@@ -72,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     kv_bytes = 2 * B * (args.long_len + n + 16) * 2 * hf.config.num_hidden_layers * hf.config.num_key_value_heads \
         * (hf.config.hidden_size // hf.config.num_attention_heads) * 4
     eng = Engine.from_pretrained(path, enable_prefix_cache=False, kv_cache_bytes=max(256 << 20, kv_bytes))
+    # the same engine with float32 kernels throughout: what batch invariance (the default) costs
+    eng32 = Engine.from_pretrained(path, enable_prefix_cache=False, kv_cache_bytes=max(256 << 20, kv_bytes),
+                                   batch_invariant=False)
     ctx = eng.args.max_position_embeddings
     if args.long_len + n + 1 > ctx or args.prefill_len >= ctx:
         ap.error(f"prompts + tokens must fit the model's context of {ctx}")
@@ -102,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         t_all = _timed(lambda: hf_generate(prompts, 1 + n))
         return t_prefill, max(t_all - t_prefill, 1e-9)
 
-    def ours_run(prompts: list[list[int]]) -> tuple[float, float]:
+    def ours_run(prompts: list[list[int]], eng: Engine = eng) -> tuple[float, float]:
         seqs = [eng.add(f"r{i}", p, SamplingParams(1 + n, ignore_eos=True)) for i, p in enumerate(prompts)]
         try:
             t_prefill = _timed(lambda: [eng.prefill(s, use_cache=False) for s in seqs])
@@ -113,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             for s in seqs:
                 eng.release(s)
 
-    def prefill_only() -> float:
+    def prefill_only(eng: Engine = eng) -> float:
         s = eng.add("p", prefill_prompt, SamplingParams(1))
         try:
             return _timed(lambda: eng.prefill(s, use_cache=False))
@@ -161,9 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = {"hf1": lambda: hf_run([single]), "ours1": lambda: ours_run([single]),
             "hfB": lambda: hf_run(short), "oursB": lambda: ours_run(short),
             "mixed": lambda: ours_run(mixed), "long": lambda: ours_run(long_), "mixed_dense": lambda: ours_dense(mixed),
-            "matmulB": lambda: matmul_floor(B)}
+            "matmulB": lambda: matmul_floor(B), "oursB_f32": lambda: ours_run(short, eng32)}
     t: dict[str, list[tuple[float, float]]] = {k: [] for k in runs}
-    ext, steps, pre = [], [], []
+    ext, steps, pre, pre32 = [], [], [], []
     for _ in range(args.repeats):
         for k, fn in runs.items():
             t[k].append(fn())
@@ -171,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         ext.append(e)
         steps.append(s)
         pre.append(prefill_only())
+        pre32.append(prefill_only(eng32))
 
     def med(xs) -> float:
         return statistics.median(xs)
@@ -193,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
         "mixed_dense_vs_uniform_batch16": med(m / s for m, s in zip(per_tok["mixed_dense"], per_tok["oursB"])),
         "prefill_batch16_vs_hf": med(h / o for h, o in zip(pf["hfB"], pf["oursB"])),
         "prefill_single_vs_hf": med(h / o for h, o in zip(pf["hf1"], pf["ours1"])),
+        # batch invariance (model.batch_invariant, the default) over float32 kernels throughout
+        "batch_invariant_prefill_cost": med(a / b for a, b in zip(pre, pre32)),
+        "batch_invariant_decode_cost": med(a / b for a, b in zip(dec["oursB"], dec["oursB_f32"])),
     }
 
     print(f"model: {path}  ({eng.args.num_layers} layers, hidden {eng.args.hidden_size}, "
@@ -218,7 +227,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(("  ceiling: HF batch decode / the bare weight matmuls", f"{extra['batch16_ceiling_vs_hf_batch16']:8.3f}"))
     rows += [("  mixed floor (each row pays its own tokens)", f"{extra['mixed_floor_vs_uniform']:8.3f}"),
              ("  mixed, one dense group (rows padded to the longest)", f"{extra['mixed_dense_vs_uniform_batch16']:8.3f}"),
-             ("  uniform long vs uniform short, per token", f"{extra['long_vs_uniform_batch16']:8.3f}")]
+             ("  uniform long vs uniform short, per token", f"{extra['long_vs_uniform_batch16']:8.3f}"),
+             ("batch invariance's cost: prefill / decode batch, over float32 kernels",
+              f"{extra['batch_invariant_prefill_cost']:8.3f} / {extra['batch_invariant_decode_cost']:.3f}")]
     w = max(len(r[0]) for r in rows)
     for k, v in rows:
         print(f"{k:<{w}}  {v}")

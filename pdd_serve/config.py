@@ -37,6 +37,9 @@ class ModelConfig:
     max_batch: int = 32  # decode batch cap per replica
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
     threads: int | None = None  # torch intra-op threads per replica; None: the role's default (P 2, RLD/MD 1)
+    # float32: every op whose result depends on the kernel (and so on the batch) in float64, rounded
+    # once, so greedy tokens never depend on batching or chunking (the master invariant); ~2x CPU prefill
+    batch_invariant: bool = True
 
     def __post_init__(self) -> None:
         _require(isinstance(self.device, str) and (self.device == "cpu" or self.device.startswith("cuda")),
@@ -47,6 +50,7 @@ class ModelConfig:
         _require(self.max_batch > 0, "model.max_batch must be > 0")
         _require(self.prefix_cache_bytes is None or 0 <= self.prefix_cache_bytes <= self.kv_cache_bytes,
                  "model.prefix_cache_bytes must be within [0, kv_cache_bytes]")
+        _require(isinstance(self.batch_invariant, bool), f"model.batch_invariant must be true or false, got {self.batch_invariant!r}")
         _require(self.threads is None or (_is_int(self.threads) and self.threads >= 1),
                  f"model.threads must be an int >= 1, got {self.threads!r}")
 
@@ -65,6 +69,7 @@ _ENGINE_FIXED = {
     "path": "every engine serves one model (KV and token ids cross between them)",
     "block_size": "KV crosses sites block by block, so every engine must use model.block_size",
     "max_model_len": "the Router admits requests against one model.max_model_len",
+    "batch_invariant": "a request moves between engines by token ids: every engine must round the same way",
 }
 
 
@@ -257,9 +262,10 @@ class FlightConfig:
     max_bytes_per_request: int = 256 << 20
     max_bytes_total: int = 1 << 30
     # KV one Prefill replica may hold for transfers still on the line (real bytes). A slow line
-    # drains slower than prefill computes: past this, a prefill that would add to the line is
-    # refused at admission (the router retries, takes the relay path or answers 503), instead
-    # of its blocks waiting in memory without bound. One transfer always fits, however large
+    # drains slower than prefill computes: past this, or past what the line drains within
+    # policy.kv_wait_timeout_s at its live rate (MD stops waiting then), a prefill that would add
+    # to the line is refused at admission (the router retries, or answers 503), instead of its
+    # blocks waiting in memory without bound. One transfer always fits, however large
     send_buffer_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:

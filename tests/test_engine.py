@@ -269,3 +269,67 @@ def test_a_sampling_fault_is_a_request_error_not_a_retryable_one():
     assert sample(masked, [SamplingParams(temperature=0.8, seed=1)], [0])[0] >= 5
     with pytest.raises(RequestError, match="temperature"):
         SamplingParams(temperature="0.5")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- batch invariance (the master invariant's numerics)
+
+
+def _logits_of(engine: Engine) -> list[torch.Tensor]:
+    """Record every forward's logits (the engine's model, wrapped on the instance)."""
+    seen: list[torch.Tensor] = []
+    forward = engine.model.forward
+
+    def capture(*a, **k):
+        out = forward(*a, **k)
+        seen.append(out.detach().clone())
+        return out
+
+    engine.model.forward = capture
+    return seen
+
+
+def test_a_tokens_logits_do_not_depend_on_its_batch_or_its_prefill_chunks(model_dir) -> None:
+    """float32 kernels differ by batch size (a vector kernel for one row, blocked ones for more) and
+    vectorised silu/exp take a tail path by position: a sequence's logits moved ~1e-5 between a
+    decode batch of one and of two, enough to flip a near-tie greedy choice (the soak saw it). With
+    batch_invariant (the default) they are the same bits alone, beside a longer sequence, beside
+    many, and the KV a chunked prefill, a whole prefill and decode steps write is the same bits."""
+    torch.manual_seed(0)
+    e = Engine.from_pretrained(model_dir)
+    assert e.model.exact
+    logits = _logits_of(e)
+    prompt = torch.randint(3, 500, (150,)).tolist()
+    longer = torch.randint(3, 500, (300,)).tolist()
+
+    def last_logits(batch_with: list[list[int]]) -> torch.Tensor:
+        seqs = [e.add(f"s{i}", p, SamplingParams(4, ignore_eos=True)) for i, p in enumerate([prompt] + batch_with)]
+        for s in seqs:
+            e.prefill(s, use_cache=False)
+        logits.clear()
+        e.decode_step(seqs)
+        out = logits[-1][0].clone()
+        for s in seqs:
+            e.release(s, cache=False)
+        return out
+
+    alone = last_logits([])
+    assert torch.equal(alone, last_logits([longer]))  # another attention group, a 2-row GEMM
+    assert torch.equal(alone, last_logits([longer, prompt[:40], longer[:200]] * 6))  # 19 rows: another blocking
+
+    # the KV of prompt + 20 decoded tokens: decode steps vs one prefill (a migration's recompute) vs chunks
+    def kv_after(prefill_tokens: list[int], chunk: int | None, decode: int) -> torch.Tensor:
+        s = e.add("kv", prefill_tokens, SamplingParams(decode + 1, ignore_eos=True))
+        e.prefill(s, use_cache=False, chunk_tokens=chunk)
+        for _ in range(decode):
+            e.decode_step([s])
+        kv = e.export_kv(s, 0, len(s.token_ids) // e.block_size)
+        toks = list(s.token_ids)
+        e.release(s, cache=False)
+        return kv, toks
+
+    kv_dec, toks = kv_after(prompt, None, 20)
+    n = len(toks) // e.block_size * e.block_size
+    kv_one, _ = kv_after(toks[:n], None, 0)
+    kv_chunks, _ = kv_after(toks[:n], 48, 0)
+    for other in (kv_one, kv_chunks):
+        assert other.data.shape == kv_dec.data.shape and (other.data == kv_dec.data).all()

@@ -118,13 +118,35 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+# Batch-invariant numerics (float32 models, `model.batch_invariant`, on by default). A greedy
+# token must not depend on what it was computed beside. In float32 it did: CPU GEMMs pick their
+# kernel by the number of rows (a vector kernel for one row, blocked ones for more, other blockings
+# past ~16), and vectorised silu/exp/cos take a scalar tail path depending on where a row sits in
+# the tensor, so one sequence's logits moved by 0.6-1.1e-5 between a decode batch of one and of two
+# (measured), and a greedy choice whose top-2 margin was below that flipped: the soak saw 1 stream
+# in ~400 differ from one engine's generate after a recompute under load. Every op whose float32
+# result depends on the kernel (matmuls, attention, norms, silu, RoPE's cos/sin) runs in float64
+# and rounds to float32 once: float64's error (~1e-16) is far below a float32 rounding step, so a
+# prefill chunk, a decode batch of any size and a migration's recompute give the same bits. Exact
+# IEEE ops (add, mul) stay float32. Costs ~2x on a CPU prefill of this small model.
+
+
+def _linear(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`m(x)`, or in float64 (x already float64) with the weights' float64 copies (`make_exact`)."""
+    w64 = m.__dict__.get("w64")
+    return m(x) if w64 is None else F.linear(x, w64, m.__dict__.get("b64"))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.exact = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.exact:  # batch-invariant: the row's reduction in float64, rounded once
+            return F.rms_norm(x.double(), self.weight.shape, self.weight.double(), self.eps).to(x.dtype)
         if x.dtype == torch.float32:  # one fused kernel, bit-identical to the steps below in fp32
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype  # half precision: normalise in fp32, round, then scale (transformers' order)
@@ -210,27 +232,31 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.nkv * d, bias=args.qkv_bias)
         self.v_proj = nn.Linear(h, self.nkv * d, bias=args.qkv_bias)
         self.o_proj = nn.Linear(self.nh * d, h, bias=False)
+        self.exact = False
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_kv: tuple[torch.Tensor, torch.Tensor],
                 ctx: AttnContext) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.nh, self.hd).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.nkv, self.hd)
+        dtype = x.dtype
+        if self.exact:  # batch-invariant: projections, RoPE and attention in float64 (cos/sin are)
+            x = x.double()
+        q = _linear(self.q_proj, x).view(b, t, self.nh, self.hd).transpose(1, 2)
+        k = _linear(self.k_proj, x).view(b, t, self.nkv, self.hd).transpose(1, 2)
+        v = _linear(self.v_proj, x).view(b, t, self.nkv, self.hd)
         q = q * cos + rotate_half(q) * sin
         k = (k * cos + rotate_half(k) * sin).transpose(1, 2)
         # write the new tokens' KV into the pool, then attend over each sequence's whole context
         k_pool, v_pool = layer_kv
-        k_pool[ctx.slot_blocks, ctx.slot_offsets] = k.reshape(-1, self.nkv, self.hd)
-        v_pool[ctx.slot_blocks, ctx.slot_offsets] = v.reshape(-1, self.nkv, self.hd)
+        k_pool[ctx.slot_blocks, ctx.slot_offsets] = k.reshape(-1, self.nkv, self.hd).to(k_pool.dtype)
+        v_pool[ctx.slot_blocks, ctx.slot_offsets] = v.reshape(-1, self.nkv, self.hd).to(v_pool.dtype)
         bs = k_pool.shape[1]
         groups = ctx.groups(bs)
         out = None if groups[0].rows is None else q.new_empty(q.shape)
         for g in groups:  # each group reads only its own rows' context (see AttnContext.groups)
             gb, nb = g.tables.shape
             flat = g.tables.reshape(-1)  # index_select: ~3x faster than advanced indexing on CPU
-            keys = k_pool.index_select(0, flat).view(gb, nb * bs, self.nkv, self.hd).transpose(1, 2)
-            vals = v_pool.index_select(0, flat).view(gb, nb * bs, self.nkv, self.hd).transpose(1, 2)
+            keys = k_pool.index_select(0, flat).view(gb, nb * bs, self.nkv, self.hd).transpose(1, 2).to(q.dtype)
+            vals = v_pool.index_select(0, flat).view(gb, nb * bs, self.nkv, self.hd).transpose(1, 2).to(q.dtype)
             qg = q if g.rows is None else q[g.rows]
             if t == 1 and self.nkv != self.nh:
                 # decode: the query heads sharing a KV head become that head's query rows, so SDPA
@@ -243,7 +269,7 @@ class Attention(nn.Module):
                 out = o
             else:
                 out[g.rows] = o
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.hd))
+        return _linear(self.o_proj, out.transpose(1, 2).reshape(b, t, self.nh * self.hd)).to(dtype)
 
 
 class MLP(nn.Module):
@@ -252,8 +278,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        self.exact = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.exact:  # batch-invariant: the whole MLP in float64 (silu's tail path included)
+            xd = x.double()
+            return _linear(self.down_proj, F.silu(_linear(self.gate_proj, xd)) * _linear(self.up_proj, xd)).to(x.dtype)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -283,7 +313,29 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
 
+    @property
+    def exact(self) -> bool:
+        return self.model.norm.exact
+
+    def make_exact(self, on: bool = True) -> None:
+        """Batch-invariant numerics (see `_linear`'s block comment): float64 copies of every
+        projection's weights, and the float64 paths on. Only for float32 models."""
+        on = on and self.model.embed_tokens.weight.dtype == torch.float32
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                for name, p in (("w64", m.weight), ("b64", m.bias)):
+                    if on and p is not None:
+                        m.__dict__[name] = p.detach().double()
+                    else:
+                        m.__dict__.pop(name, None)
+            elif isinstance(m, (RMSNorm, Attention, MLP)):
+                m.exact = on
+
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.exact:  # batch-invariant: cos/sin in float64, kept so (the attention runs in it)
+            freqs = positions.double()[..., None] * self.inv_freq.double()
+            emb = torch.cat((freqs, freqs), dim=-1)
+            return emb.cos()[:, None], emb.sin()[:, None]
         freqs = positions.float()[..., None] * self.inv_freq.float()  # [B, T, hd/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [B, 1, T, hd]
@@ -303,7 +355,8 @@ class LlamaModel(nn.Module):
         Writes the new tokens' KV into the pool as a side effect."""
         x = self._hidden(input_ids, positions, pool, ctx)
         x = x[:, -1] if logits_index is None else x[torch.arange(x.shape[0], device=x.device), logits_index]
-        return self.lm_head(self.model.norm(x)).float()
+        h = self.model.norm(x)
+        return (_linear(self.lm_head, h.double()) if self.exact else self.lm_head(h)).float()
 
     @torch.inference_mode()
     def fill_kv(self, input_ids: torch.Tensor, positions: torch.Tensor, pool: BlockPool, ctx: AttnContext) -> None:
@@ -311,8 +364,9 @@ class LlamaModel(nn.Module):
         self._hidden(input_ids, positions, pool, ctx)
 
 
-def load_model(path: str | Path, device: str, dtype: torch.dtype) -> LlamaModel:
-    """Build the module from config.json and load model*.safetensors (sharded or single)."""
+def load_model(path: str | Path, device: str, dtype: torch.dtype, batch_invariant: bool = True) -> LlamaModel:
+    """Build the module from config.json and load model*.safetensors (sharded or single).
+    `batch_invariant`: float64 where float32 kernels differ by batch (float32 models only)."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -334,4 +388,6 @@ def load_model(path: str | Path, device: str, dtype: torch.dtype) -> LlamaModel:
     state = {k: v.to(dtype) for k, v in state.items() if k in expected}
     model.load_state_dict(state, assign=True)
     model.inv_freq = rope_inv_freq(args)
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    model.make_exact(batch_invariant)
+    return model

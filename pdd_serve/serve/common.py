@@ -47,7 +47,7 @@ def load_engine(model: ModelConfig, enable_prefix_cache: bool = True, threads: i
                            emulation.label(), kv_bytes, kv_bytes // real)
     engine = Engine.from_pretrained(
         path, device=model.device, dtype=model.dtype, block_size=model.block_size,
-        kv_cache_bytes=kv_bytes, prefix_cache_bytes=prefix_bytes, enable_prefix_cache=enable_prefix_cache,
+        batch_invariant=model.batch_invariant, kv_cache_bytes=kv_bytes, prefix_cache_bytes=prefix_bytes, enable_prefix_cache=enable_prefix_cache,
     )
     engine.warmup()
     if emulation is not None:  # pacing sits above the engine seam; after warmup: its costs are not the chip's
