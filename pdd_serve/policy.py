@@ -106,6 +106,24 @@ def plan_handoff(eager_tokens: int, relay_running: int, policy: PolicyConfig, fo
     return "catch-up" if eager_tokens > policy.handoff_token_threshold and not busy else "one-shot"
 
 
+# a prefill admitted only if it should end within this share of the router's budget: the estimate
+# is a rate over recent prompts, and the rest of the budget is for the answer's trip back
+PREFILL_ADMIT_SHARE = 0.75
+
+
+def prefill_admits(queued_tokens: int, prompt_tokens: int, tokens_per_s: float | None,
+                   budget_s: float | None, share: float = PREFILL_ADMIT_SHARE) -> bool:
+    """Admission at a Prefill replica. Its prompts run one after another, so a new one finishes
+    after every prompt token queued ahead of it, at the replica's measured rate (prompt tokens,
+    cached ones included, per second of engine time: it follows the workload's prefix hits). One
+    that would end past its budget would hold its place and then be abandoned: it is refused at
+    once, so the router sheds it (503) or retries, instead of queueing work nobody will wait for.
+    An idle replica takes any prompt; with no rate measured yet, it takes everything."""
+    if queued_tokens <= 0 or budget_s is None or not tokens_per_s:
+        return True
+    return (queued_tokens + prompt_tokens) / tokens_per_s <= share * budget_s
+
+
 def catchup_done(remaining_tokens: int, policy: PolicyConfig, previous_tokens: int | None = None) -> bool:
     """Catch-up ends when what is left to hand over fits the final extend (a short stall). Each
     round sends everything pending, so the gap shrinks geometrically while RLD streams, but only

@@ -479,6 +479,44 @@ def test_a_prefill_past_its_budget_stops_at_a_chunk_and_frees_its_blocks(cfg) ->
     assert prefill.prefilling == 0
 
 
+def test_a_prefill_its_queue_would_not_reach_in_time_is_refused_at_once(cfg) -> None:
+    """Prefill measures its prompt rate and refuses a prompt that would end past the Router's
+    budget behind the prompts it already holds (PrefillBusy: the Router sheds it with a 503),
+    instead of queueing it to be abandoned; the refusal holds nothing, and an idle replica takes it."""
+    from pdd_serve.serve.messages import PrefillBusy, PrefillRequest
+    from pdd_serve.serve.prefill import Prefill
+    from pdd_serve.serve.request_state import is_overloaded
+
+    prefill = Prefill.func_or_class(cfg)
+    gate = threading.Event()
+
+    async def main() -> None:
+        await prefill.prefill(PrefillRequest(_long_req("warm"), False, None, budget_s=60))
+        rate = prefill.tokens_per_s
+        assert rate and rate > 0 and prefill.queued_tokens == 0
+        busy = asyncio.ensure_future(prefill.worker.call(gate.wait, 10))  # the engine thread is held
+        first = asyncio.ensure_future(prefill.prefill(PrefillRequest(_long_req("ahead"), False, None, budget_s=60)))
+        await _until(lambda: prefill.queued_tokens == 400)
+        budget = 0.75 * 400 / rate  # enough for the one ahead alone, not for both
+        with pytest.raises(PrefillBusy, match="prompt tokens queued") as e:
+            await prefill.prefill(PrefillRequest(_long_req("shed"), False, None, budget_s=budget))
+        assert is_overloaded(e.value) and prefill.queued_tokens == 400
+        gate.set()
+        await busy
+        await first
+        assert prefill.queued_tokens == 0  # now idle: the same request is taken
+        await prefill.prefill(PrefillRequest(_long_req("shed"), False, None, budget_s=budget))
+
+    free = prefill.engine.pool.num_free
+    try:
+        asyncio.run(main())
+    finally:
+        gate.set()
+        prefill.worker._exec.shutdown(wait=True)
+    assert prefill.shed == 1 and prefill.stats().extra["prefills_shed"] == 1
+    assert prefill.prefilling == 0 and prefill.engine.pool.num_free + prefill.engine.cache.num_blocks >= free
+
+
 def test_a_cancelled_prefill_call_stops_its_engine_job(cfg) -> None:
     """The caller went away (Serve cancels the replica's coroutine): the job already on the engine
     thread stops at its next chunk and frees its blocks; before, it ran the whole prompt."""
@@ -566,6 +604,7 @@ def test_a_full_send_buffer_refuses_prefills_that_would_add_to_the_line(cfg, md)
         await _until(lambda: prefill.send_buffered == 0)
         ok = await prefill.prefill(PrefillRequest(_req("refused"), False, KVTarget(b.flight_location, b.start_block)))
         assert ok.first_token >= 0 and (await md.wait_kv("refused", 10)).ok
+        await _until(lambda: prefill.send_buffered == 0)  # the sender thread ends just after MD has it all
 
     try:
         asyncio.run(main())
@@ -593,3 +632,26 @@ def test_the_flight_expect_wait_derives_from_the_link(cfg) -> None:
         finally:
             replica.flight.close()
             replica.worker._exec.shutdown(wait=True)
+
+
+def test_the_send_buffer_holds_no_more_than_the_line_drains_within_mds_wait(cfg) -> None:
+    """KV queued behind more than the line carries before MD stops waiting would reach MD too
+    late: the cap is the smaller of flight.send_buffer_bytes and rate x kv_wait_timeout_s (in
+    real bytes: emulated KV is kv_scale times larger on the line)."""
+    import dataclasses
+
+    from pdd_serve.serve.prefill import Prefill
+
+    cfg = dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, kv_wait_timeout_s=8.0))
+    prefill = Prefill.func_or_class(cfg)
+    try:
+        prefill.bw._bps = 16e6  # a 16 Mbit/s line: 2 MB/s, 16 MB within an 8 s wait
+        assert prefill.send_cap() == min(cfg.flight.send_buffer_bytes, int(16e6 / 8 * 8.0 / prefill.kv_scale))
+        assert prefill.send_cap() == 16_000_000
+        prefill.bw._bps = 1e12  # a fast line: the configured buffer is the bound
+        assert prefill.send_cap() == cfg.flight.send_buffer_bytes
+        prefill.kv_scale = 100.0  # emulated: each real byte is 100 on the line
+        prefill.bw._bps = 16e9
+        assert prefill.send_cap() == 160_000_000
+    finally:
+        prefill.worker._exec.shutdown(wait=True)

@@ -982,9 +982,9 @@ def test_the_prompt_hash_chain_is_computed_once_and_carried(model_dir, monkeypat
     out, st = asyncio.run(go())
     assert out == ref and st.info.pipeline == "P-RLD-MD"
     per_block = {h: calls.count(h) for h in chain}
-    engines = 3  # Prefill, the relay and MD each admitted it once
-    assert per_block[chain[-1]] == 1 + engines, per_block
-    assert all(n == 1 for h, n in per_block.items() if h != chain[-1]), per_block
+    engines = 3  # Prefill, the relay and MD each admitted it once, checking its first and last links
+    assert per_block[chain[0]] == per_block[chain[-1]] == 1 + engines, per_block
+    assert all(n == 1 for h, n in per_block.items() if h not in (chain[0], chain[-1])), per_block
 
 
 def test_a_carried_hash_chain_for_another_prompt_is_refused(model_dir):
@@ -994,5 +994,69 @@ def test_a_carried_hash_chain_for_another_prompt_is_refused(model_dir):
         e.add("x", prompt, SamplingParams(4), block_hashes(other, 16))
     with pytest.raises(ValueError, match="not this prompt's chain"):
         e.add("y", prompt, SamplingParams(4), block_hashes(prompt, 16)[:1])
+    head = [prompt[0] + 1] + prompt[1:]  # the same prompt but its first token: its last link matches
+    with pytest.raises(ValueError, match="not this prompt's chain"):
+        e.add("w", prompt, SamplingParams(4), block_hashes(head, 16))
     seq = e.add("z", prompt, SamplingParams(4), block_hashes(prompt, 16))
     assert e.hash_chain(seq) == block_hashes(prompt, 16)
+
+
+# ---------------------------------------------------------------- shedding at the door
+
+
+def test_prefill_admits_by_its_queue_against_the_budget():
+    from pdd_serve.policy import PREFILL_ADMIT_SHARE, prefill_admits
+
+    assert prefill_admits(0, 10_000, 100.0, 1.0)  # an idle replica takes any prompt, however long
+    assert prefill_admits(5_000, 100, None, 1.0)  # no rate measured yet: no estimate to refuse on
+    assert prefill_admits(5_000, 100, 100.0, None)  # no budget: nobody gives up on it
+    # 700 tokens ahead + 100 at 100 tokens/s end at 8 s: within 0.75 of a 12 s budget, not of a 10 s one
+    assert prefill_admits(700, 100, 100.0, 8.0 / PREFILL_ADMIT_SHARE)
+    assert not prefill_admits(700, 100, 100.0, 10.0)
+
+
+@pytest.mark.parametrize("failure", ["busy", "timeout"])
+def test_a_prefill_busy_on_every_attempt_is_shed_as_overloaded_not_a_500(model_dir, failure):
+    """Under overload Prefill refuses what its queue would not reach within the budget (or a
+    prefill ran out of it): after its retries the request is Overloaded, which the Router answers
+    with a 503 + Retry-After at the door, not a 500; nothing is held afterwards."""
+    from pdd_serve.serve.messages import PrefillBusy
+    from pdd_serve.serve.request_state import Overloaded
+    from pdd_serve.serve.router import client_error
+
+    class Busy(InProcessBackends):
+        calls = 0
+
+        async def prefill(self, preq):
+            Busy.calls += 1
+            if failure == "busy":
+                raise PrefillBusy("this Prefill replica has 9000 prompt tokens queued")
+            await asyncio.sleep(10)
+
+    b = Busy(model_dir)
+    orch = _orch(b, prefill_retries=1)
+    if failure == "timeout":
+        orch.timeout = 0.2
+    async def main() -> BaseException:
+        try:
+            await _run(orch, _prompt(90, 40), 8, {"pipeline": "P-MD"})
+        except Overloaded as e:
+            await asyncio.gather(*orch.bg, return_exceptions=True)  # MD's cleanup of the prepared request
+            return e
+        raise AssertionError("not shed")
+
+    e = asyncio.run(main())
+    assert Busy.calls == 2
+    err = client_error(e, "r")
+    assert err.status == 503 and err.headers().get("Retry-After"), err.body()
+    assert orch.fallbacks.get("prefill_full" if failure == "busy" else "prefill_retry") == 2
+    assert all(not d for d in b.md_seqs) and orch.relay_running == 0
+
+
+def test_a_prefill_that_fails_otherwise_is_still_an_error(model_dir):
+    """A Prefill that dies on every attempt is a fault (500 with the request id), not capacity."""
+    b = InProcessBackends(model_dir)
+    b.fail_prefill = 5
+    orch = _orch(b, prefill_retries=1)
+    with pytest.raises(RuntimeError, match="prefill failed after 2 attempts"):
+        asyncio.run(_run(orch, _prompt(91, 40), 8, {"pipeline": "P-MD"}))

@@ -19,6 +19,11 @@ class RelaySaturated(RuntimeError):
     on MD (or, with nowhere else to go, the client gets a 503 and retries)."""
 
 
+class PrefillBusy(RuntimeError):
+    """A Prefill replica's queue would not reach this prompt within its budget (`prefill_admits`):
+    the router tries again (another replica, or after a pause) and otherwise sheds it with a 503."""
+
+
 @dataclass(frozen=True)
 class GenRequest:
     request_id: str

@@ -581,6 +581,7 @@ class Orchestrator:
         """Prefill with bounded retries: a replica that dies mid-prefill is retried on another
         (or on the one Serve restores); MD's expected blocks are idempotent, so a resend is safe."""
         last: Exception | None = None
+        busy = 0  # attempts refused as full or busy, or past the budget: overload, not a dead replica
         for attempt in range(1 + self.cfg.policy.prefill_retries):
             try:
                 return await self._bounded(self.b.prefill(replace(preq, budget_s=self.timeout)), "prefill")
@@ -590,10 +591,14 @@ class Orchestrator:
                 if is_request_error(e):
                     raise
                 last = e
-                self._fallback(st, "prefill_full" if is_overloaded(e) else "prefill_retry", f"{type(e).__name__}: {e}")
+                full = is_overloaded(e)
+                # a prefill that ran out of its budget queued behind others: the same overload, found late
+                busy += full or isinstance(e, TimeoutError) or isinstance(getattr(e, "cause", None), TimeoutError)
+                self._fallback(st, "prefill_full" if full else "prefill_retry", f"{type(e).__name__}: {e}")
                 await asyncio.sleep(min(2.0, 0.25 * 2**attempt))
-        if last is not None and is_overloaded(last):  # Prefill's pool stayed full: retry later (503)
-            raise Overloaded(f"Prefill's KV pool stayed full over {1 + self.cfg.policy.prefill_retries} attempts") from last
+        if busy == 1 + self.cfg.policy.prefill_retries:  # every attempt found Prefill full or too slow
+            raise Overloaded(f"Prefill could not take the prompt within its budget over {busy} attempts "
+                             f"(last: {last}); retry later") from last
         raise RuntimeError(f"prefill failed after {1 + self.cfg.policy.prefill_retries} attempts: {last}")
 
     def _fallback(self, st: RequestState, kind: str, detail: str) -> None:

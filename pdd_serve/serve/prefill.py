@@ -8,6 +8,7 @@ import os
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,12 +18,13 @@ from pdd_serve.config import PDDConfig
 from pdd_serve.engine.engine import Sequence
 from pdd_serve.engine.kv import KVBlocks, PoolFullError, blocks_needed, num_full_blocks
 from pdd_serve.engine.scheduler import EngineWorker
-from pdd_serve.policy import wan_backlog
+from pdd_serve.policy import prefill_admits, wan_backlog
 from pdd_serve.serve.common import emulation_stats, load_engine, logger, placement
 from pdd_serve.serve.messages import (
     GenRequest,
     KVTarget,
     LineState,
+    PrefillBusy,
     PrefillRequest,
     PrefillResult,
     ReplicaStats,
@@ -30,6 +32,7 @@ from pdd_serve.serve.messages import (
 from pdd_serve.serve.pinning import ROUTER_CLASS, this_replica
 from pdd_serve.transport.link import BW_SAMPLE_MIN_BYTES, BandwidthEstimator
 
+RATE_WINDOW = 32  # recent prefills the replica's prompt rate is measured over
 MAX_SENDERS = 32  # KV transfers a Prefill replica runs at once (more share the line no faster)
 PREFILL_CHUNK_TOKENS = 256  # blocks of a chunk leave for MD while the next chunk computes
 
@@ -142,6 +145,11 @@ class Prefill:
         self.send_refused = 0  # prefills refused because that buffer was full
         self.prefilling = 0  # prefill calls in progress (the routing stats' load)
         self.abandoned = 0  # prefills stopped early: past the router's budget, or the caller gone
+        # admission (`policy.prefill_admits`): prompt tokens of the prefills this replica has taken
+        # and not finished, against its measured rate; past the budget a prefill is refused at once
+        self.queued_tokens = 0
+        self.shed = 0  # prefills refused that way
+        self._done: deque[tuple[int, float]] = deque(maxlen=RATE_WINDOW)  # (prompt tokens, engine seconds)
         self.replica = this_replica()
         self._send_lock = threading.Lock()
         # one bounded pool of sender threads per replica, not a thread per transfer: past
@@ -152,8 +160,6 @@ class Prefill:
         self.transfers = {"started": 0, "done": 0, "failed": 0, "dropped": 0, "aborted": 0, "bytes": 0}
 
     async def prefill(self, preq: PrefillRequest) -> PrefillResult:
-        from pdd_serve.transport.object_store import put_kv
-
         req = preq.req
         # the Router stops waiting after its budget (and may retry elsewhere); the caller may also
         # go away (Serve cancels this call): either way the engine stops at its next chunk, not
@@ -161,6 +167,30 @@ class Prefill:
         # a duplicate of its work running. The budget counts from the call's arrival: time queued
         # behind a burst for admission is spent from it too
         stop = _Stop(None if preq.budget_s is None else time.monotonic() + preq.budget_s)
+        n = len(req.prompt_token_ids)
+        rate = self.tokens_per_s
+        if not prefill_admits(self.queued_tokens, n, rate, preq.budget_s):
+            self.shed += 1
+            raise PrefillBusy(f"this Prefill replica has {self.queued_tokens} prompt tokens queued (~"
+                              f"{self.queued_tokens / rate:.1f}s at {rate:.0f} tokens/s): {req.request_id} would not "
+                              f"finish within its {preq.budget_s:.1f}s budget; retry later")
+        self.queued_tokens += n
+        try:
+            return await self._prefill_admitted(preq, stop)
+        finally:
+            self.queued_tokens -= n
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Prompt tokens per second of engine time over the last prefills (None before any)."""
+        done = list(self._done)  # appended on the engine thread
+        seconds = sum(s for _, s in done)
+        return sum(n for n, _ in done) / seconds if done and seconds > 0 else None
+
+    async def _prefill_admitted(self, preq: PrefillRequest, stop: _Stop) -> PrefillResult:
+        from pdd_serve.transport.object_store import put_kv
+
+        req = preq.req
         held = self._reserve_send(req, preq.md_target)
         try:
             seq = await self.worker.call(self._admit, req, stop)
@@ -215,15 +245,28 @@ class Prefill:
         bs = self.engine.block_size
         end = blocks_needed(len(req.prompt_token_ids), bs) if target.end_block is None else target.end_block
         need = max(0, end - target.start_block) * self.engine.layout.block_bytes
-        cap = self.cfg.flight.send_buffer_bytes
+        cap = self.send_cap()
         with self._send_lock:
             if self.send_buffered and self.send_buffered + need > cap:
                 self.send_refused += 1
                 raise PoolFullError(f"this Prefill replica holds {self.send_buffered} bytes of KV still on the line "
-                                    f"(flight.send_buffer_bytes {cap}): {req.request_id} waits, goes to the relay "
-                                    "or is retried later")
+                                    f"(its cap {cap}: flight.send_buffer_bytes, or what the line drains within "
+                                    f"policy.kv_wait_timeout_s): {req.request_id} is retried "
+                                    "elsewhere or later")
             self.send_buffered += need
         return need
+
+    def send_cap(self) -> int:
+        """Real KV bytes this replica holds for the line at most: flight.send_buffer_bytes, and no
+        more than the line drains, at its live rate, within MD's wait for KV
+        (policy.kv_wait_timeout_s): a transfer queued behind more reaches MD after MD stopped
+        waiting for it, so its blocks would only grow this replica's memory (the soak's 2x
+        overload grew Prefill by 500 MiB on a 16 Mbit/s line before this bound)."""
+        cap = self.cfg.flight.send_buffer_bytes
+        bps = self.bw.bps  # emulated bits/s, and the timeout in emulated seconds: / kv_scale is real bytes
+        if bps:
+            cap = min(cap, int(bps / 8 * self.cfg.policy.kv_wait_timeout_s / self.kv_scale))
+        return cap
 
     def _unreserve(self, nbytes: int) -> None:
         with self._send_lock:
@@ -248,7 +291,9 @@ class Prefill:
             if stop is not None:  # queued behind a burst past its budget, or its caller gone: skip it
                 stop.started = True
                 stop.check(seq.request_id)
+            t0 = time.perf_counter()
             first = self.engine.prefill(seq, chunk_tokens=PREFILL_CHUNK_TOKENS, on_chunk=on_chunk)
+            self._done.append((seq.prompt_len, time.perf_counter() - t0))
             finish = seq.finish_reason  # read before release, which marks unfinished sequences aborted
             return first, finish, (self.engine.export_kv(seq) if to_relay else None)
         except PrefillAbandoned:
@@ -308,7 +353,9 @@ class Prefill:
         return LineState(self.replica, tuple(b for b in left if b > 0), bps)
 
     def record_routing_stats(self) -> dict:
-        return {"running": self.prefilling, "capacity": self.worker.max_batch}
+        # a replica whose send buffer is full refuses any prefill with KV for MD: not the least loaded
+        full = self.send_buffered >= self.send_cap()
+        return {"running": self.worker.max_batch if full else self.prefilling, "capacity": self.worker.max_batch}
 
     def inject(self, fault: str, seconds: float = 0.0, count: int = 1) -> None:
         """Fault injection for tests and the soak (policy.allow_fault_injection): the next `count`
@@ -334,4 +381,6 @@ class Prefill:
         return ReplicaStats("prefill", self.worker.num_running, e.pool.num_free, e.pool.num_blocks,
                             e.cache.num_blocks, e.cache.stats.hit_rate,
                             {**transfers, "prefills_abandoned": self.abandoned, "send_buffered_bytes": self.send_buffered,
-                             "send_refused": self.send_refused, **emulation_stats(e), **self.where})
+                             "send_cap_bytes": self.send_cap(),
+                             "send_refused": self.send_refused, "prefills_shed": self.shed, "queued_tokens": self.queued_tokens,
+                             "prompt_tokens_per_s": self.tokens_per_s, **emulation_stats(e), **self.where})

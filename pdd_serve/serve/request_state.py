@@ -17,7 +17,7 @@ from typing import Any
 from pdd_serve.engine.kv import PoolFullError, block_hashes
 from pdd_serve.engine.sampling import RequestError
 from pdd_serve.serve.backends import MDKey
-from pdd_serve.serve.messages import GenRequest, RelaySaturated
+from pdd_serve.serve.messages import GenRequest, PrefillBusy, RelaySaturated
 
 
 class RelayLost(RuntimeError):
@@ -40,7 +40,7 @@ def is_request_error(e: BaseException) -> bool:
 
 def is_overloaded(e: BaseException) -> bool:
     """A pool could not admit the request now (PoolFullError): retry later, not a dead replica."""
-    return any(isinstance(x, (PoolFullError, Overloaded, RelaySaturated)) for x in (e, _cause(e)))
+    return any(isinstance(x, (PoolFullError, Overloaded, RelaySaturated, PrefillBusy)) for x in (e, _cause(e)))
 
 
 def _relay_fault(e: BaseException) -> str:

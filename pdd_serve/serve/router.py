@@ -34,12 +34,14 @@ POOL_FULL_RETRY_AFTER_S = 1.0  # a pool frees as its requests finish: seconds, n
 
 
 def client_error(e: BaseException, request_id: str) -> oai.APIError:
-    """What a client sees of a failed request: 503 + Retry-After when every KV pool that could
-    take it was full (capacity, not a fault: retry), a 400 for a request the engine refuses, a
-    generic 500 naming the request id otherwise (oai.internal_error)."""
+    """What a client sees of a failed request: 503 + Retry-After when the graph is at capacity
+    (every KV pool that could take it was full, or Prefill's queue would not reach it within its
+    budget: not a fault, retry), a 400 for a request the engine refuses, a generic 500 naming the
+    request id otherwise (oai.internal_error)."""
     if is_overloaded(e):
-        return oai.APIError(503, "overloaded_error", "every KV pool that could serve this request is full now; "
-                            "retry later", code="pool_full", retry_after=POOL_FULL_RETRY_AFTER_S)
+        return oai.APIError(503, "overloaded_error", "the graph is at capacity now (every KV pool that could serve "
+                            "this request is full, or prefill's queue is past its budget); retry later",
+                            code="pool_full", retry_after=POOL_FULL_RETRY_AFTER_S)
     return oai.internal_error(e, request_id)
 
 
