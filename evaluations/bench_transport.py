@@ -8,8 +8,8 @@ Every receiver runs in its own process, as MD's Flight server does (started with
 + system, every thread: gRPC's, Arrow's, our CRC checks) from `expect` to its last verified block,
 and the sender's (this process, which runs nothing else meanwhile: the Flight client, its streams
 and the pacer) from the first write to the last ack. Loopback's kernel work is charged to whichever
-process's system call ran it. CPU per GB is not one constant: it is measured at every operating
-point (each paced rate and stream count, unpaced, kernel-shaped), because gRPC's cost per byte
+process's system call ran it (softirq work run on another core can escape both). CPU per GB is not
+one constant: it is measured at every operating point (each paced rate and stream count, unpaced, kernel-shaped), because gRPC's cost per byte
 grows when sender and receiver contend for the same cores, and the cores a line needs come from
 the CPU measured on that line (an unpaced run's figure times the line rate was the old, wrong
 estimate: it gave 4+ cores for a line this 2-core box kept 0.92 full). Every run's cores busy
@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
          f"{_med([r['cpu_rx'] / (r['bytes'] / 1e9) for r in runs['flight_lo']]):.2f}; "
          f"{cores_busy('flight_lo'):.2f} / {cores_busy('tcp_lo'):.2f} of {cores}"),
         ("CPU accounting check: busiest run's cores busy <= cores",
-         f"{busiest:.2f} <= {cores}: {'ok' if accounting_ok else 'FAILED: CPU counted twice somewhere'}"),
+         f"{busiest:.2f} <= {cores}: {'ok' if accounting_ok else 'FAILED: more CPU than the cores give, so the accounting is wrong'}"),
     ]
     if store:
         rows.append(("object store put / get / get + verify",

@@ -171,6 +171,7 @@ def phase_metrics(records: Sequence[ScaleRecord], phase: str, window_s: float, s
         inside = [x for x in samples if window[0] <= x.t_s <= window[1]]
         out["md_replicas_min"] = min((x.running for x in inside), default=None)
         out["md_replicas_max"] = max((x.running for x in inside), default=None)
+        out["md_replicas_any_state_max"] = max((x.replicas for x in inside), default=None)  # starting ones too
         seqs = [sum(x.seqs.values()) for x in inside if x.seqs]
         out["md_running_seqs_mean"] = sum(seqs) / len(seqs) if seqs else None
         out["md_running_seqs_max"] = max(seqs, default=None)
@@ -245,8 +246,9 @@ def headline(phases: Mapping[str, Mapping[str, Any]], samples: Sequence[Sample],
         "offered_load_ratio": cfg.rate_after / cfg.rate_before,
         "rate_before": cfg.rate_before, "rate_after": cfg.rate_after,
         "scale_up_s": scale_up_s,
-        "scaled_before_ramp": any((p.get("md_replicas_max") or 0) >= 2 for k, p in phases.items()
-                                  if k in ("probe", "before")),
+        # the autoscaler decided to scale while the before phase ran: a 2nd replica in any state
+        # (one still starting counts; the probe runs with MainDecode fixed at one, so only "before")
+        "scaled_before_ramp": max(before.get("md_replicas_any_state_max") or 0, before.get("md_replicas_max") or 0) >= 2,
         "errors": sum(int(p.get("errors") or 0) for p in phases.values()),
         "mismatched_requests": mismatched,
         "requests": sum(int(p.get("requests") or 0) for p in phases.values()),
@@ -327,7 +329,9 @@ def serve_ongoing(app: str) -> float | None:
     aggregate: queued at handles + running, over look_back_period_s), or None where this Ray has
     no such call. Every call about a request that is in flight counts (prepare, KV wait, handoff
     batches, the decode stream, and what waits at a handle), so it runs above MD's own count of
-    the requests it holds: the calibration reads this, not a proxy."""
+    the requests it holds. Reported beside the phases' figures (what the autoscaler acted on);
+    the calibration itself uses the probe's closed-loop throughput. None for a deployment that is
+    not autoscaled (Serve keeps no such window for it; its 0.0 would read as "idle")."""
     import ray
 
     try:
@@ -335,6 +339,8 @@ def serve_ongoing(app: str) -> float | None:
         from ray.serve.context import _get_global_client
 
         ctl = _get_global_client()._controller
+        if not ray.get(ctl._should_autoscale_deployment_for_testing.remote(DeploymentID(DEPLOYMENT, app)), timeout=3):
+            return None
         ref = ctl._get_total_num_requests_for_deployment_for_testing.remote(DeploymentID(DEPLOYMENT, app))
         return float(ray.get(ref, timeout=3))
     except Exception:  # noqa: BLE001 - a private call (Serve's own tests use it): absent, no figure

@@ -107,6 +107,10 @@ def test_headline_json_fields():
     assert h["offered_load_ratio"] == 4.0 and h["rate_before"] == 0.5 and h["rate_after"] == 2.0
     assert h["scale_up_s"] == 12.5 and h["errors"] == 1 and h["requests"] == 18
     assert h["scaled_before_ramp"] is False  # the 2nd replica came in the ramp, not before it
+    # a 2nd replica still starting inside the before phase: the autoscaler already decided to scale
+    starting = [Sample(0, 1, 1, 1), Sample(5, 1, 2, 2), Sample(30, 2, 2, 2)]
+    early = {**phases, "before": phase_metrics(recs, "before", 10.0, sla, 0.5, starting, (0, 10))}
+    assert headline(early, starting, 12.5, 0, True, 0, cfg)["scaled_before_ramp"] is True
     assert h["md_replicas_that_served_after"] == 2
     assert h["after.requests_per_md_replica"] == {"r1": 6, "r2": 3}
     assert "goodput_after_vs_one_replica" not in h and "goodput(after" in h["goodput_after_vs_before_def"]

@@ -319,7 +319,7 @@ class MainDecode:
         # replica's engine thread. The wait: that dispatch floor plus the line's one-way delay
         # twice (the base delay of the emulated link; a trace's extra delay is not known here),
         # in slow motion when emulated
-        one_way = self.cfg.link_model(self.engine.layout.bytes_per_token).latency_at(0.0)
+        one_way = self.cfg.link_model(self.engine.layout.bytes_per_token).config.one_way_latency_s
         server.expect_wait_s = self.cfg.real_s(EXPECT_WAIT_FLOOR_S + 2 * one_way)
         return server
 
