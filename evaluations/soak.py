@@ -1,89 +1,384 @@
-"""Soak: bounded minutes of mixed traffic on the local two-site cluster with periodic faults.
+"""Soak: bounded minutes of mixed traffic on the local two-site cluster with periodic faults, then a
+minute of overload.
 
     python evaluations/soak.py --minutes 3 [--graph graphs/pdd_dev.yaml] [--fault-every 20]
 
-Brings up its own cluster (its own ports), deploys a graph with fault injection on, and runs
-closed-loop clients (agentic-length prompts; pipelines mostly chosen by the policy, some forced
-onto P->RLD->MD and P->RLD so the relay paths see faults too; some requests with stop strings)
-while a fault thread, in turn, kills the MD replica holding requests, stalls or cuts the WAN,
-restarts an MD's Flight server, or kills the relay mid-stream. Then a burst of long requests fills
-the KV pools (the soak's graph gets a small pool, `--kv-cache-mib`): every request completes or is
-refused cleanly (503 / an in-band `overloaded_error`, retried after Retry-After).
+Brings up its own cluster (its own ports), deploys a graph with fault injection on and the shipped
+2 Routers (`--routers`), and runs, in turn:
 
-Every answer is checked token by token against one engine's greedy output (cut where the stop
-string ends it). After the load drains, every live replica of Prefill, Relay and MainDecode (each
-reached through a handle pinned to it) must show no sequence left in its `stats`
-(`leaked_sequences`) and the Router's relay count must match the relay pool's real one
-(`relay_admission_drift`). Prints a table and one JSON line; exits non-zero unless errors,
-tokens_lost, leaked_sequences and relay_admission_drift are all 0 and outputs_identical is true.
+1. warm-up: a request on each pipeline; every replica's RSS is recorded from here to the end.
+2. capacity: `--capacity-clients` closed-loop clients for `--capacity-s` on the overload phase's
+   workload (agentic sessions and cold documents, no faults): completed requests/s is the graph's
+   measured capacity (`capacity_rps`).
+3. faults: closed-loop clients (agentic-length prompts; pipelines mostly chosen by the policy, some
+   forced onto P->RLD->MD and P->RLD so the relay paths see faults too; some requests with stop
+   strings), slow-reading clients (one SSE chunk a second, short answers) and clients that go away
+   mid-stream or before the answer begins, while a fault thread, in turn, kills the MD replica
+   holding requests, stalls or cuts the WAN, restarts an MD's Flight server, or kills the relay
+   mid-stream.
+4. overload: open-loop (Poisson) arrivals at `--overload-factor` x the measured capacity for
+   `--overload-s`, 1 in 10 of them a slow reader and 1 in 10 a client that disconnects; a 503 at the
+   door or an in-band `overloaded_error` is a shed request, not an error (`shed_503`, `shed_in_band`;
+   not retried in this phase: the arrivals go on). `offered_rps` is what was really sent.
+5. fill: a burst of long requests fills the KV pools (the soak's graph gets a small pool,
+   `--kv-cache-mib`): every request completes or is refused cleanly (503 / an in-band
+   `overloaded_error`, retried after Retry-After).
+
+Every answer a client read to the end (slow readers included) is checked token by token against one
+engine's greedy output (cut where the stop string ends it). After the load drains, every live
+replica of Prefill, Relay and MainDecode (each reached through a handle pinned to it) must show no
+sequence left in its `stats` (`leaked_sequences`, disconnected clients included), no Prefill
+replica may still run a prefill or a KV transfer (`orphaned_prefills`), the Routers' relay counts
+together must match the relay pool's real one (`relay_admission_drift`), and no Router's stream
+queue may have passed its bound. Each replica's RSS growth from after warm-up to the end
+(`peak_rss_growth_mb`: RSS less its shared-memory pages, which are Ray's object store, bounded by
+the raylet and reported apart as `peak_shared_rss_growth_mb`) must stay within
+`--rss-growth-limit-mb`. Every fallback is attributed to a
+cause (`fallbacks_by_cause`): the injected fault around the request, the overload or pool-fill
+phase, or none nearby. Prints a table and one JSON line; exits non-zero unless errors, tokens_lost,
+leaked_sequences, relay_admission_drift and orphaned_prefills are all 0, outputs_identical is true,
+max_stream_queue <= stream_queue_bound and the RSS growth is within its limit. An overload_factor
+under 2 (the driver could not offer that much) or no shed request is reported, not failed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import sys
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 MAX_RETRIES = 30  # a refused request (every pool full) is sent again after its Retry-After
+SLOW_READ_S = 1.0  # a slow client reads one SSE chunk a second
+LATE_REPLICA_SETTLE_S = 30.0  # a replica started after warm-up (an MD replacing a killed one): RSS counts from here
+CAPACITY_RAMP_S = 5.0  # the capacity phase counts completions after its clients are all busy
+
+# what each fallback kind means, and which faults or loads cause it (printed with fallbacks_by_cause)
+FALLBACK_KINDS = {
+    "md_lost": "an MD failed mid-request: a killed MD replica, a restarted Flight server",
+    "kv_timeout": "the KV did not reach MD within kv_wait_timeout_s: a stalled or cut WAN, or a line "
+                  "and CPUs backed up under load",
+    "md_unavailable": "the MD picked did not answer: killed, or its replacement still starting",
+    "md_full": "every MD's KV pool was full: load, or one MD left after a kill",
+    "relay_lost": "the relay stream failed: a relay killed mid-stream",
+    "relay_full": "the relay was at relay_max_running: load",
+    "relay_finish": "no MD could take the request: the relay finished it",
+    "prefill_retry": "a prefill call failed or passed its budget: load (a queue past the budget), a dead Prefill",
+    "prefill_full": "Prefill's KV pool was full: load",
+    "index_miss": "the Router's view of an MD's cache was stale: the KV it lacked was resent",
+}
 
 
-def _stream(url: str, prompt: list[int], n: int, stop: str | None, pdd: dict | None
-            ) -> tuple[list[int], dict, str | None, str, float | None]:
-    """(token ids, pdd info, finish reason, error, retry-after seconds when refused as overloaded)."""
+@dataclass
+class StreamResult:
+    """What one HTTP call gave a client."""
+
+    ids: list[int] = field(default_factory=list)
+    info: dict = field(default_factory=dict)
+    finish: str | None = None
+    error: str = ""
+    retry_after: float | None = None  # refused as overloaded: seconds to wait before a retry
+    shed: str | None = None  # "door": a 503 before the stream; "in_band": overloaded_error mid-stream
+    disconnected: str | None = None  # where the client went away on purpose: before_headers | at_headers | mid_stream
+    chunks: int = 0  # SSE data chunks read
+
+
+_CLIENT = None
+_CLIENT_LOCK = threading.Lock()
+
+
+def _http_client():  # noqa: ANN202 - httpx is imported lazily
+    """One HTTP client for every request thread. `httpx.stream` builds a client per call, and with
+    it an SSL context (~20 ms of CPU): on a box the graph keeps busy, that alone left the open-loop
+    driver seconds behind its schedule. A stream closed early still closes its own connection."""
+    global _CLIENT
     import httpx
 
+    with _CLIENT_LOCK:
+        if _CLIENT is None:
+            _CLIENT = httpx.Client(limits=httpx.Limits(max_connections=None, max_keepalive_connections=32))
+        return _CLIENT
+
+
+def _stream(url: str, prompt: list[int], n: int, stop: str | None, pdd: dict | None, *,
+            read_delay_s: float = 0.0, disconnect_after: int | None = None,
+            header_timeout_s: float | None = None) -> StreamResult:
+    """One streamed completion. `read_delay_s`: a slow reader sleeps this long after each chunk;
+    `disconnect_after`: the client closes the stream after that many chunks; `header_timeout_s`:
+    the client gives up waiting for the answer to begin after that long (the Router sends its 200
+    with the first token, so this leaves during prefill or the KV's crossing), or leaves at once
+    when it begins."""
+    import httpx
+
+    client = _http_client()
     body = {"model": "pdd-small", "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
             "ignore_eos": True, "return_token_ids": True}
     if stop is not None:
         body["stop"] = [stop]
     if pdd:
         body["pdd"] = pdd
-    ids: list[int] = []
-    info: dict = {}
-    finish = None
+    out = StreamResult()
+    timeout = httpx.Timeout(300.0) if header_timeout_s is None else httpx.Timeout(300.0, read=header_timeout_s)
+    headers = False
     try:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+        with client.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as r:
+            headers = True
             if r.status_code == 503:
-                return ids, info, None, "", float(r.headers.get("retry-after", 1))
+                out.shed, out.retry_after = "door", float(r.headers.get("retry-after", 1))
+                return out
             if r.status_code != 200:
-                return ids, info, None, f"HTTP {r.status_code}: {r.read()[:200]!r}", None
+                out.error = f"HTTP {r.status_code}: {r.read()[:200]!r}"
+                return out
+            if header_timeout_s is not None:  # the answer began: this client leaves now
+                out.disconnected = "at_headers"
+                return out
             for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    obj = json.loads(line[6:])
-                    if "error" in obj:
-                        if obj["error"].get("type") == "overloaded_error":  # every pool full, mid-stream
-                            return ids, info, None, "", 1.0
-                        return ids, info, None, obj["error"]["message"], None
-                    ch = obj["choices"][0] if obj.get("choices") else {}
-                    ids += ch.get("token_ids", [])
-                    finish = ch.get("finish_reason") or finish
-                    info = obj.get("pdd", info)
+                if not line.startswith("data: {"):
+                    continue
+                obj = json.loads(line[6:])
+                if "error" in obj:
+                    if obj["error"].get("type") == "overloaded_error":  # every pool full, mid-stream
+                        out.shed, out.retry_after = "in_band", 1.0
+                    else:
+                        out.error = obj["error"]["message"]
+                    return out
+                ch = obj["choices"][0] if obj.get("choices") else {}
+                out.ids += ch.get("token_ids", [])
+                out.finish = ch.get("finish_reason") or out.finish
+                out.info = obj.get("pdd", out.info)
+                out.chunks += 1
+                if disconnect_after is not None and out.chunks >= disconnect_after and out.finish is None:
+                    out.disconnected = "mid_stream"  # leaving the `with` closes the connection
+                    return out
+                if read_delay_s:
+                    time.sleep(read_delay_s)
     except Exception as e:  # noqa: BLE001 - counted as an error
-        return ids, info, None, f"{type(e).__name__}: {e}", None
-    return ids, info, finish, "", None
+        if header_timeout_s is not None and not headers and isinstance(e, httpx.TimeoutException):
+            out.disconnected = "before_headers"  # the client gave up waiting, as planned
+            return out
+        out.error = f"{type(e).__name__}: {e}"
+        return out
+    return out
+
+
+def mismatch(r: "Rec") -> dict:
+    """Where a stream read to the end left its reference: enough to find the path that did it."""
+    got, want = r.s.ids, r.want or []
+    at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    return {"phase": r.phase, "role": r.role, "pipeline": r.s.info.get("pipeline"), "handoff_mode": r.s.info.get("handoff_mode"),
+            "fallbacks": r.s.info.get("fallbacks", []), "last_fallback": r.s.info.get("fallback"), "eager_tokens": r.s.info.get("eager_tokens"),
+            "md_tokens": r.s.info.get("md_tokens"), "stop": r.stop, "finish": r.s.finish,
+            "tokens": len(got), "reference_tokens": len(want), "first_difference": at,
+            "got": got[max(0, at - 2): at + 3], "want": want[max(0, at - 2): at + 3]}
+
+
+def top2_gap(engine, tokens: list[int]) -> float:  # noqa: ANN001 - an Engine
+    """The reference model's margin between its two best next tokens after `tokens`: a greedy
+    choice whose margin is within fp32 rounding (~1e-5 here) can flip with the batch it is
+    computed in, a difference of kernels, not of tokens moved; a large one is a wrong context."""
+    import torch
+
+    from pdd_serve.engine.engine import SamplingParams
+
+    out: dict = {}
+    forward = engine.model.forward
+
+    def capture(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        out["logits"] = forward(*a, **k)
+        return out["logits"]
+
+    seq = engine.add("top2-gap", list(tokens), SamplingParams(1, ignore_eos=True))
+    engine.model.forward = capture
+    try:
+        engine.prefill(seq, use_cache=False)
+    finally:
+        del engine.model.forward  # the class's forward again
+        engine.release(seq, cache=False)
+    logits = out["logits"].reshape(-1, out["logits"].shape[-1])[-1].float()
+    top = torch.topk(logits, 2).values
+    return float(top[0] - top[1])
+
+
+@dataclass
+class Rec:
+    """One client request, over its retries."""
+
+    phase: str  # warmup | capacity | faults | overload | fill
+    role: str  # normal | slow | disconnect
+    prompt: list[int]
+    n: int
+    stop: str | None
+    want: list[int] | None  # the reference output; None until computed (after a phase, off the clock)
+    s: StreamResult
+    error: str
+    refusals: int  # refused as overloaded, sent again after Retry-After
+    shed: Counter  # door / in_band refusals, retried or not
+    t0: float
+    t1: float
+
+    @property
+    def completed(self) -> bool:
+        """The client read the stream to the end."""
+        return not self.error and self.s.shed is None and self.s.disconnected is None
+
+
+class Workload:
+    """The capacity and overload phases' requests (one generator, so the two see the same mix):
+    1 in 4 a cold document, else the next turn of one of `sessions` agentic sessions; 32-160 output
+    tokens; 2 in 10 forced onto P->RLD->MD, 1 in 10 onto P->RLD. Thread-safe."""
+
+    def __init__(self, seed: int, sessions: int = 8) -> None:
+        self.rng = random.Random(seed)
+        self.lock = threading.Lock()
+        self.systems = [[self.rng.randrange(3, 2000) for _ in range(200)] for _ in range(sessions)]
+        self.contexts = [list(s) for s in self.systems]
+
+    def next(self) -> tuple[list[int], int, dict | None]:
+        with self.lock:
+            rng = self.rng
+            if rng.random() < 0.25:
+                prompt = [rng.randrange(3, 2000) for _ in range(rng.randrange(600, 1300))]
+            else:
+                i = rng.randrange(len(self.contexts))
+                self.contexts[i] += [rng.randrange(3, 2000) for _ in range(rng.randrange(20, 80))]
+                if len(self.contexts[i]) > 2000:
+                    self.contexts[i] = list(self.systems[i])
+                prompt = list(self.contexts[i])
+            return prompt, rng.randrange(32, 160), pick_pdd(rng)
+
+
+def pick_pdd(rng: random.Random) -> dict | None:
+    """2 in 10 requests forced onto P->RLD->MD (either handoff mode), 1 in 10 onto P->RLD, the rest
+    left to the policy."""
+    r = rng.random()
+    return ({"pipeline": "P-RLD-MD", "handoff_mode": rng.choice(["one-shot", "catch-up"])} if r < 0.2
+            else {"pipeline": "P-RLD"} if r < 0.3 else None)
+
+
+def disconnect_plan(rng: random.Random) -> dict:
+    """How a disconnecting client leaves: half after 1-6 chunks, half while it waits for the answer
+    to begin (0.2-1.5 s: during prefill or the KV's crossing) or the moment it begins."""
+    if rng.random() < 0.5:
+        return {"disconnect_after": rng.randrange(1, 7)}
+    return {"header_timeout_s": rng.uniform(0.2, 1.5)}
+
+
+def arrival_times(rate: float, duration_s: float, rng: random.Random) -> list[float]:
+    """Open-loop arrivals at `rate` per second over `duration_s` (offsets from the phase's start):
+    a Poisson process given its count, ceil(rate x duration) arrivals uniform over the span (so the
+    phase offers at least `rate`, where a free Poisson count falls short half the time). The
+    last half second is left out: a request scheduled there still leaves within the phase."""
+    if rate <= 0 or duration_s <= 0.5:
+        return []
+    span = duration_s - 0.5
+    return sorted(rng.uniform(0.0, span) for _ in range(math.ceil(rate * duration_s)))
+
+
+def completed_rate(ends: list[float], start: float, stop: float) -> float:
+    """Completions per second of a closed loop: those that ended in [start, stop]."""
+    if stop <= start:
+        return 0.0
+    return sum(1 for t in ends if start <= t <= stop) / (stop - start)
+
+
+# the fallbacks each injected fault can cause (orchestrator.py's fault paths); any other fallback
+# near a fault is not put on it
+FAULT_EFFECTS = {
+    "kill_md": {"md_lost", "kv_timeout", "md_unavailable", "md_full", "relay_finish", "index_miss"},
+    "stall": {"kv_timeout", "md_lost", "relay_finish"},
+    "cut": {"kv_timeout", "md_lost", "relay_finish"},
+    "restart_flight": {"md_lost", "kv_timeout", "md_unavailable", "relay_finish"},
+    "kill_relay": {"relay_lost", "relay_finish"},
+}
+
+
+def fallback_causes(requests: list[tuple[str, float, float, list[str]]], faults: list[tuple[float, str]],
+                    window_s: float) -> dict[str, dict[str, int]]:
+    """{cause: {fallback kind: count}}. requests: (phase, start, end, fallback kinds); faults:
+    (time injected, kind). Each fallback goes to the latest fault that can cause it (FAULT_EFFECTS)
+    injected while its request ran or up to `window_s` before it began (stall, cut and kill_relay
+    wait for the next transfer or stream; a killed MD's replacement takes a while); with none, to
+    its request's phase: `overload`, `pool_fill`, or `no_fault:<phase>` (load, or a cause this
+    soak did not inject)."""
+    by_phase = {"overload": "overload", "fill": "pool_fill"}
+    out: dict[str, Counter] = {}
+    for phase, t0, t1, kinds in requests:
+        near = sorted((tf, kind) for tf, kind in faults if t0 - window_s <= tf <= t1)
+        for fb in kinds:
+            causes = [kind for _, kind in near if fb in FAULT_EFFECTS.get(kind, ())]
+            cause = f"fault:{causes[-1]}" if causes else by_phase.get(phase, f"no_fault:{phase}")
+            out.setdefault(cause, Counter())[fb] += 1
+    return {cause: dict(c) for cause, c in sorted(out.items())}
+
+
+def parse_rss_mb(status_text: str) -> tuple[float, float] | None:
+    """(RSS, the shared-memory part of it) of a /proc/<pid>/status text, in MiB; None without a
+    VmRSS line (a zombie, a kernel thread). The shared part is mostly Ray's object store: its
+    pages count in the RSS of every process that wrote or read them, and the store is bounded
+    (object_store_mib per raylet), so a replica's own growth is RSS less it."""
+    fields = {}
+    for line in status_text.splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("VmRSS", "RssShmem"):
+            fields[key] = int(rest.split()[0]) / 1024
+    if "VmRSS" not in fields:
+        return None
+    return fields["VmRSS"], fields.get("RssShmem", 0.0)
+
+
+def growth_by_phase(times: list[float], samples: list[float], phase_ends: dict[str, float]) -> dict[str, float]:
+    """How far a series had grown over its first sample by the end of each phase (MiB): where a
+    replica's memory went up."""
+    out = {}
+    for phase, end in sorted(phase_ends.items(), key=lambda kv: kv[1]):
+        seen = [v for t, v in zip(times, samples) if t <= end]
+        if seen:
+            out[phase] = round(max(seen) - samples[0], 1)
+    return out
+
+
+def rss_growth_mb(samples: dict[str, list[float]]) -> dict[str, float]:
+    """Each replica's peak over its first sample (its baseline), in MiB."""
+    return {name: round(max(s) - s[0], 1) for name, s in samples.items() if s}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=3.0, help="traffic duration with faults (default %(default)s)")
     ap.add_argument("--graph", default="graphs/pdd_dev.yaml", help="graph with policy.allow_fault_injection")
-    ap.add_argument("--clients", type=int, default=4, help="concurrent closed-loop clients")
+    ap.add_argument("--clients", type=int, default=4, help="concurrent closed-loop clients in the fault phase")
+    ap.add_argument("--slow-clients", type=int, default=2,
+                    help="fault-phase clients that read one chunk a second (12-30 output tokens)")
+    ap.add_argument("--disconnect-clients", type=int, default=1,
+                    help="fault-phase clients that go away mid-stream or before the answer begins")
     ap.add_argument("--fault-every", type=float, default=20.0, help="seconds between injected faults")
+    ap.add_argument("--routers", type=int, default=2, help="Router replicas (the shipped graphs run 2)")
+    ap.add_argument("--capacity-s", type=float, default=30.0, help="closed-loop capacity measurement (seconds)")
+    ap.add_argument("--capacity-clients", type=int, default=8, help="closed-loop clients measuring capacity")
+    ap.add_argument("--overload-s", type=float, default=60.0, help="open-loop arrivals past capacity (seconds; 0: skip)")
+    ap.add_argument("--overload-factor", type=float, default=2.0, help="arrival rate over the measured capacity")
     ap.add_argument("--fill-requests", type=int, default=12,
-                    help="long requests sent at once after the fault phase to fill the KV pools (0: skip)")
+                    help="long requests sent at once after the overload phase to fill the KV pools (0: skip)")
     ap.add_argument("--kv-cache-mib", type=int, default=12,
                     help="KV pool per replica in the soak's graph (small, so the burst fills it)")
+    ap.add_argument("--rss-growth-limit-mb", type=float, default=200.0,
+                    help="most RSS a replica may grow from after warm-up to the end")
     ap.add_argument("--port", type=int, default=6450, help="GCS port of the soak's own cluster")
     ap.add_argument("--http-port", type=int, default=8450, help="Serve HTTP port")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.minutes <= 0 or args.clients <= 0 or args.fault_every <= 0 or args.fill_requests < 0:
         ap.error("--minutes, --clients and --fault-every must be > 0, --fill-requests >= 0")
+    if (args.capacity_s <= CAPACITY_RAMP_S or args.capacity_clients <= 0 or args.overload_s < 0
+            or args.overload_factor <= 0 or args.routers <= 0 or min(args.slow_clients, args.disconnect_clients) < 0):
+        ap.error(f"--capacity-s must be > {CAPACITY_RAMP_S:.0f}, --capacity-clients, --overload-factor and "
+                 "--routers > 0, --overload-s, --slow-clients and --disconnect-clients >= 0")
 
     import tempfile
 
@@ -97,12 +392,15 @@ def main(argv: list[str] | None = None) -> int:
     from pdd_serve.models import default_model_path
     from pdd_serve.serve.openai_api import IncrementalDetokenizer
 
+    t_wall = time.monotonic()
     cfg = load_graph_yaml(args.graph)
     if not cfg.policy.allow_fault_injection or not cfg.policy.allow_overrides:
         ap.error(f"{args.graph} must set policy.allow_fault_injection and policy.allow_overrides: true")
     doc = yaml.safe_load(Path(args.graph).read_text())
     doc["http_options"]["port"] = args.http_port
-    doc["applications"][0]["args"]["model"]["kv_cache_bytes"] = args.kv_cache_mib << 20
+    app_args = doc["applications"][0]["args"]
+    app_args["model"]["kv_cache_bytes"] = args.kv_cache_mib << 20
+    app_args.setdefault("sites", {})["router_replicas"] = args.routers
     tmp = Path(tempfile.mkdtemp(prefix="pdd-soak-"))
     graph = tmp / "graph.yaml"
     graph.write_text(yaml.safe_dump(doc))
@@ -129,10 +427,15 @@ def main(argv: list[str] | None = None) -> int:
 
         tok = AutoTokenizer.from_pretrained(default_model_path())
         rng = random.Random(args.seed)
-        # (phase, got, expected, info, error, stop, refusals)
-        results: list[tuple[str, list[int], list[int], dict, str, str | None, int]] = []
+        results: list[Rec] = []
         lock, ref_lock = threading.Lock(), threading.Lock()
         faults: Counter = Counter()
+        fault_log: list[tuple[float, str]] = []  # (time injected, kind): fallbacks_by_cause
+        phase_s: dict[str, float] = {}
+        references: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+        def log(msg: str) -> None:
+            print(f"[soak {time.monotonic() - t_wall:5.0f}s] {msg}", file=sys.stderr, flush=True)
 
         def handle(name: str):  # noqa: ANN202
             return serve.get_deployment_handle(name, app)
@@ -157,11 +460,41 @@ def main(argv: list[str] | None = None) -> int:
                     out[f"{name}#{rid}"] = st
             return out
 
+        def router_stats(timeout_s: float) -> dict[str, dict]:
+            """`stats` of every live Router replica, by replica id. The ingress has no pinning
+            request router: unpinned calls spread over the replicas, so call until each answered."""
+            live = set(replicas("Router"))
+            seen: dict[str, dict] = {}
+            for _ in range(20 * max(1, len(live))):
+                st = handle("Router").stats.remote().result(timeout_s=timeout_s)
+                seen[st["replica"]] = st
+                if live <= set(seen):
+                    return {r: seen[r] for r in sorted(live)}
+            raise RuntimeError(f"Router replicas {sorted(live - set(seen))} did not answer a stats call")
+
+        def prefill_orphans(every: dict[str, object]) -> dict[str, tuple[int, int]]:
+            """{Prefill replica: (prefills running, KV transfers still open)}: once the load is
+            gone, work for nobody."""
+            out = {}
+            for name, s in every.items():
+                if name.startswith("Prefill#"):
+                    x = s.extra
+                    sending = x.get("started", 0) - sum(x.get(k, 0) for k in ("done", "failed", "dropped", "aborted"))
+                    out[name] = (s.running, max(0, sending))
+            return out
+
+        def reference(prompt: list[int], n: int) -> list[int]:
+            """One engine's greedy output (cached: a session's prompt may come twice)."""
+            key = (tuple(prompt), n)
+            with ref_lock:  # one engine, not thread-safe
+                if key not in references:
+                    references[key] = ref.generate_batch([prompt], SamplingParams(n, ignore_eos=True))[0]
+                return references[key]
+
         def expected(prompt: list[int], n: int, local: random.Random) -> tuple[list[int], str | None]:
             """One engine's greedy output, and a stop string from its middle (for 1 in 4 requests),
             cut where the router's detokenizer will stop it."""
-            with ref_lock:  # one engine, not thread-safe
-                want = ref.generate_batch([prompt], SamplingParams(n, ignore_eos=True))[0]
+            want = reference(prompt, n)
             if local.random() >= 0.25 or n < 16:
                 return want, None
             mid = local.randrange(n // 4, n - 4)
@@ -176,40 +509,159 @@ def main(argv: list[str] | None = None) -> int:
             return want, stop
 
         def one(phase: str, prompt: list[int], n: int, local: random.Random,
-                want_stop: tuple[list[int], str | None] | None = None) -> None:
-            want, stop = want_stop or expected(prompt, n, local)
-            r = local.random()
-            pdd = ({"pipeline": "P-RLD-MD", "handoff_mode": local.choice(["one-shot", "catch-up"])} if r < 0.2
-                   else {"pipeline": "P-RLD"} if r < 0.3 else None)
+                want_stop: tuple[list[int], str | None] | None = None, *, role: str = "normal",
+                pdd: dict | None | str = "pick", retry: bool = True, check_now: bool = True,
+                plan: dict | None = None) -> None:
+            """Send one request (again after Retry-After while refused, when `retry`). check_now:
+            the reference (and maybe a stop string) first; else the reference is computed after
+            the phase, for a stream read to the end (the capacity and overload phases stay on the
+            graph's clock). role: a slow reader, or a client that disconnects (`plan`)."""
+            want, stop = want_stop or (expected(prompt, n, local) if check_now else (None, None))
+            if pdd == "pick":
+                pdd = pick_pdd(local)
+            kw: dict = dict(plan or {})
+            if role == "slow":
+                kw["read_delay_s"] = SLOW_READ_S
             refusals = 0
+            shed: Counter = Counter()
+            t0 = time.monotonic()
             while True:
-                got, info, finish, err, retry_after = _stream(url, prompt, n, stop, pdd)
-                if retry_after is None or refusals >= MAX_RETRIES:
+                s = _stream(url, prompt, n, stop, pdd, **kw)
+                if s.shed:
+                    shed[s.shed] += 1
+                if s.retry_after is None or not retry or refusals >= MAX_RETRIES:
                     break
                 refusals += 1  # every pool was full: a clean refusal, sent again as a client would
-                time.sleep(retry_after)
-            if not err and retry_after is not None:
-                err = f"refused {refusals} times (every pool full)"
-            if not err and stop is not None and finish != "stop" and len(want) < n:
-                err = f"stop string {stop!r} did not end the stream (finish {finish})"
+                time.sleep(s.retry_after)
+            err = s.error
+            if not err and s.shed and retry:
+                err = f"refused {refusals + 1} times (every pool full)"
+            if not err and s.shed is None and s.disconnected is None:
+                if s.finish is None:
+                    err = f"the stream ended without a finish reason after {len(s.ids)} tokens"
+                elif stop is not None and want is not None and s.finish != "stop" and len(want) < n:
+                    err = f"stop string {stop!r} did not end the stream (finish {s.finish})"
             with lock:
-                results.append((phase, got, want, info, err, stop, refusals))
+                results.append(Rec(phase, role, prompt, n, stop, want, s, err, refusals, shed, t0, time.monotonic()))
 
-        stop_at = time.monotonic() + args.minutes * 60
+        def check_pending() -> None:
+            """References for the streams read to the end whose reference was left for later."""
+            with lock:
+                pending = [r for r in results if r.want is None and r.completed]
+            t = time.monotonic()
+            for r in pending:
+                r.want = reference(r.prompt, r.n)
+            if pending:
+                log(f"{len(pending)} references computed after the phase in {time.monotonic() - t:.0f}s")
 
-        def client(cid: int) -> None:
+        # ---------------------------------------------------------------- RSS of every replica
+        rss: dict[str, list[float]] = {}  # replica actor name -> MiB samples (RSS less shared memory), the first the baseline
+        shm: dict[str, list[float]] = {}  # the shared-memory part (the object store's pages), apart
+        rss_at: dict[str, list[float]] = {}  # when each sample was taken
+        phase_end: dict[str, float] = {}
+        rss_stop = threading.Event()
+        prefix = f"SERVE_REPLICA::{app}#"
+
+        def replica_pids() -> dict[str, int]:
+            """{actor name: pid} of the app's live replica actors (the GCS actor table: no dashboard)."""
+            from ray._private import state as ray_state
+
+            return {a["Name"]: a["Pid"] for a in ray_state.actors(actor_state_name="ALIVE").values()
+                    if a.get("Name", "").startswith(prefix) and a.get("Pid")}
+
+        def rss_sampler() -> None:
+            pids: dict[str, int] = {}
+            first_seen: dict[str, float] = {}
+            initial: set[str] | None = None
+            listed = 0.0
+            while True:
+                now = time.monotonic()
+                if now - listed >= 5.0:
+                    try:
+                        pids, listed = replica_pids(), now
+                    except Exception as e:  # noqa: BLE001 - the GCS busy: keep the last listing
+                        log(f"could not list replica pids: {e}")
+                    if initial is None:
+                        initial = set(pids)
+                for name, pid in pids.items():
+                    try:
+                        mb = parse_rss_mb(Path(f"/proc/{pid}/status").read_text())
+                    except OSError:  # the replica died (a kill): its samples so far stand
+                        continue
+                    first_seen.setdefault(name, now)
+                    if mb is not None and (name in (initial or ()) or now - first_seen[name] >= LATE_REPLICA_SETTLE_S):
+                        rss.setdefault(name, []).append(mb[0] - mb[1])
+                        shm.setdefault(name, []).append(mb[1])
+                        rss_at.setdefault(name, []).append(now)
+                if rss_stop.wait(2.0):
+                    return
+
+        def short(actor_name: str) -> str:
+            dep, rid = actor_name[len(prefix):].split("#", 1)
+            return f"{dep}#{rid[:6]}"
+
+        # ---------------------------------------------------------------- 1. warm-up
+        t_phase = time.monotonic()
+        for j, forced in enumerate([None, {"pipeline": "P-MD"}, {"pipeline": "P-RLD-MD"}, {"pipeline": "P-RLD"}]):
+            if forced and forced["pipeline"] not in cfg.policy.pipelines:
+                continue
+            local = random.Random(args.seed * 31 + j)
+            one("warmup", [local.randrange(3, 2000) for _ in range(local.randrange(300, 900))], 32, local, pdd=forced)
+        phase_s["warmup"] = time.monotonic() - t_phase
+        phase_end["warmup"] = time.monotonic()
+        sampler = threading.Thread(target=rss_sampler, daemon=True)
+        sampler.start()
+
+        # ---------------------------------------------------------------- 2. capacity
+        work = Workload(args.seed * 104729 + 1)
+        t_phase = time.monotonic()
+        cap_stop = t_phase + args.capacity_s
+
+        def capacity_client(cid: int) -> None:
+            local = random.Random(args.seed * 7 + cid)
+            while time.monotonic() < cap_stop:
+                prompt, n, pdd = work.next()
+                one("capacity", prompt, n, local, pdd=pdd, check_now=False)
+
+        threads = [threading.Thread(target=capacity_client, args=(c,)) for c in range(args.capacity_clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        ends = [r.t1 for r in results if r.phase == "capacity" and r.completed]
+        capacity_rps = completed_rate(ends, t_phase + CAPACITY_RAMP_S, cap_stop)
+        phase_s["capacity"] = time.monotonic() - t_phase
+        phase_end["capacity"] = time.monotonic()
+        log(f"capacity: {capacity_rps:.2f} requests/s ({len(ends)} completed by {args.capacity_clients} "
+            f"closed-loop clients in {args.capacity_s:.0f}s)")
+        check_pending()
+
+        # ---------------------------------------------------------------- 3. faults
+        t_phase = time.monotonic()
+        stop_at = t_phase + args.minutes * 60
+
+        def session_prompt(local: random.Random, system: list[int], context: list[int]) -> list[int]:
+            if local.random() < 0.25:  # a cold, low-hit request
+                return [local.randrange(3, 2000) for _ in range(local.randrange(600, 1300))]
+            context += [local.randrange(3, 2000) for _ in range(local.randrange(20, 80))]  # the next turn
+            if len(context) > 2000:
+                del context[len(system):]
+            return list(context)
+
+        def client(cid: int, role: str) -> None:
             local = random.Random(args.seed * 1000 + cid)
             system = [local.randrange(3, 2000) for _ in range(200)]  # each client's shared context
             context = list(system)
             while time.monotonic() < stop_at:
-                if local.random() < 0.25:  # a cold, low-hit request
-                    prompt = [local.randrange(3, 2000) for _ in range(local.randrange(600, 1300))]
-                else:  # the next turn of the client's session
-                    context += [local.randrange(3, 2000) for _ in range(local.randrange(20, 80))]
-                    if len(context) > 2000:
-                        context = list(system)
-                    prompt = list(context)
-                one("faults", prompt, local.randrange(32, 160), local)
+                prompt = session_prompt(local, system, context)
+                if role == "slow":  # tens of seconds at a chunk a second
+                    one("faults", prompt, local.randrange(12, 31), local, role="slow")
+                elif role == "disconnect":  # long answers, left early: nothing to check but the cleanup
+                    one("faults", prompt, local.randrange(64, 160), local, role="disconnect", check_now=False,
+                        plan=disconnect_plan(local))
+                    time.sleep(0.5)
+                else:
+                    one("faults", prompt, local.randrange(32, 160), local)
 
         def busiest_md() -> str:
             """The actor name of the MD replica holding the most requests (a kill that misses every
@@ -245,17 +697,73 @@ def main(argv: list[str] | None = None) -> int:
                         md = rng.choice(sorted(replicas("MainDecode")))
                         pinned_handle(app, "MainDecode", md).inject.remote(kind).result(timeout_s=30)
                     faults[kind] += 1
+                    fault_log.append((time.monotonic(), kind))
                 except Exception as e:  # noqa: BLE001 - a replica still restarting
-                    print(f"could not inject {kind}: {e}", file=sys.stderr)
+                    log(f"could not inject {kind}: {e}")
 
-        threads = [threading.Thread(target=client, args=(c,)) for c in range(args.clients)]
+        roles = (["normal"] * args.clients + ["slow"] * args.slow_clients + ["disconnect"] * args.disconnect_clients)
+        threads = [threading.Thread(target=client, args=(c, role)) for c, role in enumerate(roles)]
         threads.append(threading.Thread(target=injector))
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+        phase_s["faults"] = time.monotonic() - t_phase
+        phase_end["faults"] = time.monotonic()
+        log(f"fault phase: {sum(1 for r in results if r.phase == 'faults')} requests, faults {dict(faults)}")
 
-        # fill the KV pools: long requests all at once (each fits a pool alone, together they don't)
+        # ---------------------------------------------------------------- 4. overload
+        offered_rps = 0.0
+        if args.overload_s > 0:
+            # the replacement of an MD the faults killed must be up: overload, not a missing replica
+            settle = time.monotonic() + 120
+            while time.monotonic() < settle:
+                try:
+                    per_replica_stats(holders, timeout_s=10)
+                    break
+                except Exception:  # noqa: BLE001 - still being restored
+                    time.sleep(2.0)
+            arrivals = arrival_times(args.overload_factor * capacity_rps, args.overload_s,
+                                     random.Random(args.seed * 15485863 + 3))
+            log(f"overload: {len(arrivals)} arrivals over {args.overload_s:.0f}s "
+                f"({args.overload_factor:g} x {capacity_rps:.2f} requests/s)")
+            t_phase = time.monotonic()
+            arrivers = []
+
+            def arrive(j: int) -> None:
+                local = random.Random(args.seed * 3571 + j)
+                prompt, n, pdd = work.next()
+                r = local.random()
+                if r < 0.1:  # a slow reader: a short answer, a chunk a second
+                    one("overload", prompt, local.randrange(12, 31), local, role="slow", pdd=pdd, retry=False,
+                        check_now=False)
+                elif r < 0.2:
+                    one("overload", prompt, max(n, 64), local, role="disconnect", pdd=pdd, retry=False,
+                        check_now=False, plan=disconnect_plan(local))
+                else:
+                    one("overload", prompt, n, local, pdd=pdd, retry=False, check_now=False)
+
+            for j, at in enumerate(arrivals):  # open loop: each arrival on time, whatever the graph does
+                delay = t_phase + at - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                th = threading.Thread(target=arrive, args=(j,), daemon=True)
+                th.start()
+                arrivers.append(th)
+            for th in arrivers:
+                th.join()
+            # what was really offered: the requests the clients sent within the phase (a driver that
+            # fell behind its schedule sent fewer; the rest came after the minute and do not count)
+            offered_rps = sum(1 for r in results if r.phase == "overload"
+                              and r.t0 <= t_phase + args.overload_s) / args.overload_s
+            phase_s["overload"] = time.monotonic() - t_phase
+            phase_end["overload"] = time.monotonic()
+            log(f"overload phase: {phase_s['overload']:.0f}s with its tail")
+            check_pending()
+        overload_factor = offered_rps / capacity_rps if capacity_rps > 0 else 0.0
+
+        # ---------------------------------------------------------------- 5. fill the KV pools
+        # long requests all at once (each fits a pool alone, together they don't)
         fill_pool: list[str] = []
         min_free: dict[str, int] = {}
         preempted: dict[str, int] = {}
@@ -293,9 +801,12 @@ def main(argv: list[str] | None = None) -> int:
                 t.join()
             preemptions = sum(preempted.values())
             fill_pool = [f"{k} {v}/{pool_blocks}" for k, v in min_free.items()]
-            print(f"fill burst: {time.monotonic() - t_fill:.0f}s, fewest free blocks seen: {min_free}", file=sys.stderr)
+            phase_s["fill"] = time.monotonic() - t_fill
+            phase_end["fill"] = time.monotonic()
+            log(f"fill burst: {phase_s['fill']:.0f}s, fewest free blocks seen: {min_free}")
 
-        # drain: nothing may stay behind once the load is gone (no reaper: it waits 2x the KV wait)
+        # ---------------------------------------------------------------- drain
+        # nothing may stay behind once the load is gone (no reaper: it waits 2x the KV wait)
         deadline = time.monotonic() + drain_s
         while True:
             held: dict[str, int] = {}
@@ -303,51 +814,146 @@ def main(argv: list[str] | None = None) -> int:
                 every = per_replica_stats(holders, timeout_s=30)
                 held = {name: s.running for name, s in every.items()}
                 relay_live = sum(len(s.extra["live"]) for name, s in every.items() if name.startswith("Relay#"))
-                router = handle("Router").stats.remote().result(timeout_s=30)
+                routers = router_stats(timeout_s=30)
             except Exception:  # a replica the faults killed is still being restored
                 if time.monotonic() > deadline + 120:
                     raise
                 time.sleep(2.0)
                 continue
-            drift = abs(router["relay_running"] - relay_live)
+            # the pool is the truth: every Router's relay streams together against the relays' own
+            drift = abs(sum(r["relay_running"] for r in routers.values()) - relay_live)
             leaked = sum(held.values())
-            if (leaked == 0 and drift == 0) or time.monotonic() > deadline:
+            # a prefill or a KV transfer still running on a Prefill replica now works for nobody
+            orphans = prefill_orphans(every)
+            orphaned = sum(p + t for p, t in orphans.values())
+            if (leaked == 0 and drift == 0 and orphaned == 0) or time.monotonic() > deadline:
                 break
             time.sleep(1.0)
+        # orphans at the drain's end count; how long they then take to go (a KV transfer is bounded
+        # by the Flight deadline) is reported beside them
+        cleared_after: float | None = None
+        if orphaned:
+            t_drained = time.monotonic()
+            while time.monotonic() < t_drained + cfg.real_s(cfg.flight.deadline_s) + 10:
+                time.sleep(2.0)
+                try:
+                    if not sum(p + t for p, t in prefill_orphans(per_replica_stats(("Prefill",), 30)).values()):
+                        cleared_after = round(time.monotonic() - t_drained, 1)
+                        break
+                except Exception:  # noqa: BLE001 - restarting
+                    continue
+            fate = "still there" if cleared_after is None else f"gone after {cleared_after:.0f}s"
+            log(f"orphans after the drain: {orphans} (prefills, KV transfers); {fate}")
+        abandoned = sum(s.extra.get("prefills_abandoned", 0) for name, s in every.items() if name.startswith("Prefill#"))
+        max_queue = max(r.get("max_stream_queue", 0) for r in routers.values())
+        queue_bound = min(r.get("stream_queue_bound", 0) for r in routers.values())
+        rss_stop.set()
+        sampler.join(timeout=30)
+        growth = rss_growth_mb(rss)
+        peak_growth = max(growth.values()) if growth else None
+        top = max(growth, key=growth.get) if growth else None
+        top_by_phase = growth_by_phase(rss_at[top], rss[top], phase_end) if top else {}
+        shm_growth = rss_growth_mb(shm)
+        peak_shm_growth = max(shm_growth.values()) if shm_growth else None
 
-        done = [r for r in results if not r[4]]
-        fallbacks: Counter = Counter(k for r in results for k in r[3].get("fallbacks", []))
-        relay_path_fallbacks: Counter = Counter(k for r in results if r[3].get("pipeline", "").startswith("P-RLD")
-                                                for k in r[3].get("fallbacks", []))
-        errors = len(results) - len(done)
-        lost = sum(max(0, len(want) - len(got)) for _, got, want, *_ in done)
-        identical = all(got == want for _, got, want, *_ in done)
-        pipelines = Counter(r[3].get("pipeline", "?") for r in results)
-        refused = sum(r[6] for r in results)
-        with_stop = sum(1 for r in done if r[5] is not None)
-        by_phase = Counter(r[0] for r in results)
-        for label, value in [("requests", f"{len(results)} {dict(by_phase)}"), ("pipelines", dict(pipelines)),
-                             ("with stop strings", with_stop), ("faults injected", dict(faults)),
+        # ---------------------------------------------------------------- the verdict
+        check_pending()
+        done = [r for r in results if r.completed]
+        errors = sum(1 for r in results if r.error)
+        errors_by_phase = Counter(r.phase for r in results if r.error)
+        fallbacks: Counter = Counter(k for r in results for k in r.s.info.get("fallbacks", []))
+        relay_path_fallbacks: Counter = Counter(k for r in results if r.s.info.get("pipeline", "").startswith("P-RLD")
+                                                for k in r.s.info.get("fallbacks", []))
+        by_cause = fallback_causes([(r.phase, r.t0, r.t1, r.s.info.get("fallbacks", [])) for r in results],
+                                   fault_log, args.fault_every)
+        lost = sum(max(0, len(r.want) - len(r.s.ids)) for r in done)
+        identical = all(r.s.ids == r.want for r in done)
+        mismatches = [mismatch(r) for r in done if r.s.ids != r.want]
+        for m, r in zip(mismatches, [r for r in done if r.s.ids != r.want]):
+            if m["first_difference"] < min(len(r.s.ids), len(r.want or [])):  # a different token, not a cut
+                with ref_lock:
+                    m["reference_top2_gap"] = top2_gap(ref, r.prompt + r.want[: m["first_difference"]])
+        pipelines = Counter(r.s.info.get("pipeline", "?") for r in results)
+        refused = sum(r.refusals for r in results)
+        shed = sum((r.shed for r in results), Counter())
+        shed_by_phase: Counter = Counter()
+        for r in results:
+            shed_by_phase[r.phase] += r.shed["door"]
+        shed_by_phase = +shed_by_phase  # the phases that shed
+        with_stop = sum(1 for r in done if r.stop is not None)
+        by_phase = Counter(r.phase for r in results)
+        slow = [r for r in results if r.role == "slow"]
+        slow_done = sum(1 for r in slow if r.completed)
+        gone = Counter(r.s.disconnected for r in results if r.s.disconnected)
+        rss_top = [(short(k), v) for k, v in sorted(growth.items(), key=lambda kv: -kv[1])[:4]]
+        for label, value in [("requests", f"{len(results)} {dict(by_phase)}"), ("read to the end", len(done)),
+                             ("pipelines", dict(pipelines)), ("with stop strings", with_stop),
+                             ("routers", len(routers)),
+                             ("capacity", f"{capacity_rps:.2f} requests/s"),
+                             ("offered (overload)", f"{offered_rps:.2f} requests/s, x{overload_factor:.2f}"),
+                             ("shed at the door", f"{shed['door']} {dict(shed_by_phase)}"),
+                             ("shed in-band", shed["in_band"]),
+                             ("slow readers", f"{slow_done} read to the end of {len(slow)}"),
+                             ("disconnects", f"{sum(gone.values())} {dict(gone)}"),
+                             ("faults injected", dict(faults)),
                              ("fallbacks taken", dict(fallbacks)), ("  on relay paths", dict(relay_path_fallbacks)),
+                             ("  by cause", by_cause),
                              ("refused, retried", refused), ("fill: free blocks low", fill_pool),
                              ("fill: preemptions", preemptions),
-                             ("errors", errors), ("tokens lost", lost), ("outputs identical", identical),
-                             ("leaked sequences", f"{leaked} {held}"), ("relay admission drift", drift)]:
+                             ("errors", f"{errors} {dict(errors_by_phase)}"), ("tokens lost", lost), ("outputs identical", f"{identical}" + (f" ({len(mismatches)} differ: {mismatches[:3]})" if mismatches else "")),
+                             ("leaked sequences", f"{leaked} {held}"), ("relay admission drift", drift),
+                             ("orphaned prefills", f"{orphaned} (prefills, KV transfers) {orphans}; gone after {cleared_after} s; "
+                                                   f"{abandoned} prefills abandoned on the way"),
+                             ("stream queue", f"max {max_queue} of {queue_bound}"),
+                             ("RSS growth (MiB)", f"peak {peak_growth} over {len(growth)} replicas; top {rss_top}"),
+                             ("  peak by phase end", f"{short(top) if top else None} {top_by_phase}"),
+                             ("  shared (obj. store)", f"peak growth {peak_shm_growth} MiB, not in the figure above"),
+                             ("phases (s)", {k: round(v) for k, v in phase_s.items()})]:
             print(f"{label:<22}{value}")
+        for kind in sorted(fallbacks):
+            print(f"  {kind:<20}{FALLBACK_KINDS.get(kind, '(no explanation on file)')}")
         for r in results:
-            if r[4]:
-                print(f"error ({r[0]}, {r[3].get('pipeline')}): {r[4][:300]}", file=sys.stderr)
+            if r.error:
+                print(f"error ({r.phase}, {r.role}, {r.s.info.get('pipeline')}): {r.error[:300]}", file=sys.stderr)
+        warnings = []
+        if overload_factor < 2:
+            warnings.append(f"overload_factor {overload_factor:.2f} < 2: the driver could not offer 2x capacity")
+        if shed["door"] == 0:
+            warnings.append("no 503 at the door: the overload did not make the graph shed")
+        if slow_done == 0 or not gone:
+            warnings.append("no slow reader read to the end, or no client disconnected: not exercised")
+        if len(routers) < 2:
+            warnings.append(f"{len(routers)} Router replica(s): the cross-Router checks need 2")
+        for w in warnings:
+            print(f"warning: {w}", file=sys.stderr)
+        wall = time.monotonic() - t_wall
         print(json.dumps({"requests": len(results), "faults_injected": sum(faults.values()),
                           "fallbacks": sum(fallbacks.values()), "errors": errors, "tokens_lost": lost,
-                          "outputs_identical": identical, "leaked_sequences": leaked,
-                          "relay_admission_drift": drift, "minutes": args.minutes,
+                          "errors_by_phase": dict(errors_by_phase), "outputs_identical": identical, "mismatched": len(mismatches),
+                          "mismatch_examples": mismatches[:5], "leaked_sequences": leaked,
+                          "relay_admission_drift": drift, "routers": len(routers), "minutes": args.minutes,
                           "requests_with_stop": with_stop, "fill_requests": by_phase.get("fill", 0),
                           "refused_retried": refused, "fill_preemptions": preemptions,
                           "fill_min_free_blocks": min(min_free.values()) if min_free else None,
                           "pipelines": dict(pipelines),
                           "faults_by_kind": dict(faults), "fallbacks_by_kind": dict(fallbacks),
-                          "relay_path_fallbacks": dict(relay_path_fallbacks)}))
-        ok = errors == 0 and lost == 0 and identical and leaked == 0 and drift == 0
+                          "relay_path_fallbacks": dict(relay_path_fallbacks),
+                          "completed": len(done), "requests_by_phase": dict(by_phase),
+                          "capacity_rps": round(capacity_rps, 3), "offered_rps": round(offered_rps, 3),
+                          "overload_factor": round(overload_factor, 2), "shed_503": shed["door"],
+                          "shed_503_by_phase": dict(shed_by_phase), "shed_in_band": shed["in_band"],
+                          "slow_clients": slow_done, "slow_streams": len(slow),
+                          "disconnects": sum(gone.values()), "disconnects_by_stage": dict(gone),
+                          "orphaned_prefills": orphaned, "orphans_gone_after_s": cleared_after,
+                          "prefills_abandoned": abandoned,
+                          "peak_rss_growth_mb": peak_growth, "rss_growth_limit_mb": args.rss_growth_limit_mb,
+                          "peak_shared_rss_growth_mb": peak_shm_growth,
+                          "rss_peak_replica": short(top) if top else None, "rss_peak_growth_by_phase_mb": top_by_phase,
+                          "max_stream_queue": max_queue, "stream_queue_bound": queue_bound,
+                          "fallbacks_by_cause": by_cause, "warnings": warnings, "wall_s": round(wall)}))
+        ok = (errors == 0 and lost == 0 and identical and leaked == 0 and drift == 0 and orphaned == 0
+              and max_queue <= queue_bound
+              and peak_growth is not None and peak_growth <= args.rss_growth_limit_mb)
     finally:
         cluster_down(ccfg)
     return 0 if ok else 1
