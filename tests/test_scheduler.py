@@ -75,14 +75,18 @@ def test_a_full_pool_preempts_and_resumes_without_losing_a_token(model_dir, pref
     async def one(i: int) -> list[int]:
         nonlocal refused
         await asyncio.sleep(0.005 * i)
+        def admit():  # noqa: ANN202 - admission and its prefill as one engine-thread call, as the
+            seq = eng.add(f"r{i}", prompts[i], SamplingParams(48))  # replicas run them: a decode step
+            eng.prefill(seq)  # between them could take the blocks admission counted as free
+            return seq
+
         while True:
             try:
-                seq = eng.add(f"r{i}", prompts[i], SamplingParams(48))
+                seq = await worker.call(admit)
                 break
             except PoolFullError:  # typed "not now": the caller retries (the router: elsewhere)
                 refused += 1
                 await asyncio.sleep(0.01)
-        await worker.call(eng.prefill, seq)
         out = list(seq.output_ids)
         async for step in worker.decode(seq):
             assert len(step.token_ids) == 1
