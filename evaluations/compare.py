@@ -6,7 +6,10 @@ The JSON line's ratio keys (PDD over a baseline, or over the physical floor) and
 in TARGETS. TTFT is the client's first token; the `*_tt2t_*` keys give the same ratios on the second
 token (see loadgen.py). The floor of a request on a cross-site graph is the same request's same-DC
 TTFT, plus one link latency per cross-site hop its first token must take, plus the KV bytes that
-must cross before it at the link's rate (`request_floor`). `code_fingerprint` hashes the serving
+must cross before it at the link's rate (`request_floor`). On an emulated graph the floor is built
+from the modeled steps instead (`modeled_floor`): the request's prefill alone on its chip, the KV
+no faster than the line's mean rate, the hops, MD's first step alone; same-DC's TTFT would carry
+its own queueing on slower chips into the floor. `code_fingerprint` hashes the serving
 code at each deployment: more than one value means the tree changed under the comparison.
 """
 
@@ -33,7 +36,9 @@ from evaluations.harness import (
     code_fingerprint,
     engine_params,
     eval_cluster,
+    for_repeat,
     link_params,
+    link_seed,
     log_err,
     policy_params,
     prepare_graphs,
@@ -41,6 +46,7 @@ from evaluations.harness import (
 )
 from evaluations.loadgen import SLA, LoadConfig, RequestRecord, makespan, summarize_run
 from evaluations.workloads import Workload
+from pdd_serve.config import PDDConfig
 
 SAME, CROSS, NAIVE, PDD = "pd_same_dc", "pd_cross_dc", "pd_cross_dc_naive", "pdd"
 TARGETS: dict[str, tuple[str, float | bool]] = {
@@ -85,10 +91,20 @@ class GraphResult:
     graph: PreparedGraph
     runs: list[list[RequestRecord]] = field(default_factory=list)  # one list per repeat
     pacer: list[dict[str, Any]] = field(default_factory=list)  # emulated: each run's pacer counts
+    seeds: list[int | None] = field(default_factory=list)  # each run's link jitter seed (None: same site)
 
     @property
     def records(self) -> list[RequestRecord]:
         return [r for run in self.runs for r in run]
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One row per request of every run, with its graph, repeat and link seed (what the
+        simulator needs to replay the same draw of the line)."""
+        from evaluations.report import record_rows
+
+        seeds = self.seeds + [None] * (len(self.runs) - len(self.seeds))
+        return [row for i, (run, seed) in enumerate(zip(self.runs, seeds))
+                for row in record_rows(run, graph=self.graph.name, repeat=i, link_seed=seed)]
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -137,28 +153,66 @@ def request_floor(same_dc_ttft_s: float, pipeline: str, wan_bytes: int, latency_
     return same_dc_ttft_s + hops * latency_s + wire
 
 
+def modeled_prefill_s(prompt_tokens: int, hit: float, p: Any, chunk: int) -> float:
+    """Emulated seconds of one request's prefill alone on its chip (`p`: the role's Emulation):
+    the chunks past its prefix hit, as the engine runs them."""
+    n = prompt_tokens
+    done = min(n - 1, int(hit * n))
+    total = 0.0
+    while done < n:
+        step = min(chunk, n - done)
+        total += p.prefill_s(step, done)
+        done += step
+    return total
+
+
+def modeled_floor(r: RequestRecord, cfg: PDDConfig, latency_s: float, bandwidth_bps: float | None,
+                  stream_first_token: bool = False) -> float:
+    """The physical floor of one request's TTFT on an emulated graph, from the modeled steps alone
+    (no queue, no software): its prefill on the prefill chip; on P->MD with PD's first-token
+    convention also the KV MD lacked (no faster than the line's mean rate, and not before the
+    prefill ends, since the last chunk's blocks leave after it), the decode call's hop and the
+    first token's hop back, and MD's first step alone. A relay pipeline's first token is P's."""
+    from pdd_serve.serve.prefill import PREFILL_CHUNK_TOKENS
+
+    pre = modeled_prefill_s(r.prompt_tokens, r.pdd.get("prefix_hit_p") or 0.0, cfg.emulation_for("prefill"),
+                            PREFILL_CHUNK_TOKENS)
+    pipeline = r.pdd.get("pipeline", "P-MD")
+    if pipeline != "P-MD" or stream_first_token:
+        return pre
+    cross = cfg.sites.prefill != cfg.sites.main_decode
+    hops = first_token_hops(pipeline, stream_first_token) if cross else 0
+    wire = int(r.pdd.get("wan_bytes") or 0) * 8 / bandwidth_bps if cross and bandwidth_bps else 0.0
+    return max(pre, wire) + hops * latency_s + cfg.emulation_for("main_decode").decode_s(1, r.prompt_tokens)
+
+
 def floors(results: Mapping[str, GraphResult], stream_first_token: bool = False) -> dict[str, dict[str, Any]]:
-    """Per cross-site graph: its requests' TTFT against their physical floors (P50s and the
-    median of per-request ratios), and where P->MD requests' TTFT went (measured in the Router)."""
+    """Per cross-site graph (every graph when emulated): its requests' TTFT against their physical
+    floors (P50s and the median of per-request ratios), and where P->MD requests' TTFT went
+    (measured in the Router). Unemulated, a floor is built on the same request's same-DC TTFT;
+    emulated, on the modeled steps (`modeled_floor`)."""
     from evaluations.loadgen import median, percentile
 
     same = results.get(SAME)
-    if same is None:
-        return {}
-    base = {(i, *r.key): r.ttft_s for i, run in enumerate(same.runs) for r in run if not r.error}
+    base = {(i, *r.key): r.ttft_s for i, run in enumerate(same.runs) for r in run if not r.error} if same else {}
     out: dict[str, dict[str, Any]] = {}
     for name, res in results.items():
-        if not res.graph.cross_site:
+        emulated = res.graph.cfg.emulated
+        if not (res.graph.cross_site or emulated) or not (emulated or base):
             continue
         lp = link_params(res.graph)
         ttfts, fl, ratios = [], [], []
         for i, run in enumerate(res.runs):
             for r in run:
-                b = base.get((i, *r.key))
-                if r.error or r.ttft_s is None or b is None:
+                b = None if emulated else base.get((i, *r.key))
+                if r.error or r.ttft_s is None or (b is None and not emulated):
                     continue
-                f = request_floor(b, r.pdd.get("pipeline", "P-MD"), int(r.pdd.get("wan_bytes") or 0),
-                                  lp["link.one_way_latency_s"], lp["link.bandwidth_bps"], stream_first_token)
+                if emulated:
+                    f = modeled_floor(r, res.graph.cfg, lp["link.one_way_latency_s"], lp["link.bandwidth_bps"],
+                                      stream_first_token)
+                else:
+                    f = request_floor(b, r.pdd.get("pipeline", "P-MD"), int(r.pdd.get("wan_bytes") or 0),
+                                      lp["link.one_way_latency_s"], lp["link.bandwidth_bps"], stream_first_token)
                 ttfts.append(r.ttft_s)
                 fl.append(f)
                 ratios.append(r.ttft_s / f)
@@ -253,7 +307,7 @@ def emulated_headline(results: Mapping[str, GraphResult], summaries: Mapping[str
     its spread, BCR on the emulated chips' prices, and the pacers' overrun per step kind."""
     import statistics
 
-    from evaluations.emulated import cost_per_hour, repeat_ratios, role_chips, spread
+    from evaluations.emulated import cost_per_hour, ratio, repeat_ratios, role_chips, spread
     from pdd_serve.emulation import OVERRUN_WARN_SHARE, merge_stats, overrun_warning
 
     sc = cfg.emulate
@@ -285,6 +339,13 @@ def emulated_headline(results: Mapping[str, GraphResult], summaries: Mapping[str
         out[k] = statistics.median(vs) if vs else None
         out[f"{k}_spread"] = spread(vs)
         out[f"{k}_per_repeat"] = vals
+    if sc.relay_cost_fraction != 1.0 and PDD in summaries and SAME in summaries:
+        # the same goodputs with PDD paying for its relay replica whole (what this small
+        # deployment rents), beside the scenario's pooled-relay price
+        whole = {n: cost_per_hour(results[n].graph.cfg) for n in (PDD, SAME)}
+        b = ratio(ratio(summaries[PDD].get("goodput_rps"), whole[PDD]),
+                  ratio(summaries[SAME].get("goodput_rps"), whole[SAME]))
+        out["bcr_gain_vs_same_dc_whole_relay"] = None if b is None else b - 1
     stats = merge_stats([p["all"] for r in results.values() for p in r.pacer if "all" in p])
     for kind in ("prefill", "decode"):
         out[f"emulation_overrun_share_{kind}"] = stats.get(f"overrun_share_{kind}")
@@ -314,9 +375,10 @@ def emulated_headline(results: Mapping[str, GraphResult], summaries: Mapping[str
     floor = summaries.get(PDD, {}).get("ttft_floor_p50_s")
     p50 = summaries.get(PDD, {}).get("ttft_p50_s")
     if over is not None and floor and p50 is not None:
-        # what PDD's P50 would be with the overhead at full size, against the floor (same-DC TTFT with
-        # its overhead shrunk, + hops + bytes): pessimistic for PDD by construction
+        # what PDD's P50 would be with the serving software at full size, against the floor built
+        # from the modeled steps, hops and bytes (no software in it): no time_scale flatters PDD
         out["p50_ttft_vs_floor_real_overhead"] = (p50 + over * (1 - 1 / sc.time_scale)) / floor
+    out["ttft_floor_from"] = "modeled steps: prefill alone, KV at the line's mean rate, hops, MD's first step alone"
     out["report_margins"] = {k: f"{op} {v}" for k, (op, v) in REPORT_MARGINS.items()}
     return out
 
@@ -349,14 +411,8 @@ def software_overhead_real_s(res: GraphResult | None, time_scale: float) -> tupl
 
 def _overhead_of(r: RequestRecord, p: Any, md: Any, time_scale: float, chunk: int) -> float:
     """One request's real seconds outside the modeled prefill chunks and first decode step."""
-    n = r.prompt_tokens
-    done = min(n - 1, int((r.pdd.get("prefix_hit_p") or 0.0) * n))
-    modeled = 0.0
-    while done < n:
-        step = min(chunk, n - done)
-        modeled += p.prefill_s(step, done)
-        done += step
-    modeled += md.decode_s(1, n)
+    modeled = modeled_prefill_s(r.prompt_tokens, r.pdd.get("prefix_hit_p") or 0.0, p, chunk)
+    modeled += md.decode_s(1, r.prompt_tokens)
     return (r.ttft_s - modeled) * time_scale
 
 
@@ -410,7 +466,7 @@ def common_params(workload: Workload, sla: SLA, load: LoadConfig, site_chips: Ma
 def run_compare(workload: Workload, cfg: CompareConfig = CompareConfig(),
                 log: Callable[[str], None] = log_err) -> dict[str, Any]:
     """Run the comparison; print the table and the JSON line; return {summaries, headline, ...}."""
-    from evaluations.report import comparison_table, record_rows, ttft_cdf_plot, write_parquet
+    from evaluations.report import comparison_table, ttft_cdf_plot, write_parquet
 
     catalog = load_catalog(cfg.catalog)
     site_chips = dict(cfg.site_chips)
@@ -449,8 +505,10 @@ def run_compare(workload: Workload, cfg: CompareConfig = CompareConfig(),
                             results[pg.name].pacer.append(pacer_stats_of_running_graph(app, denv))
                         except Exception as e:  # noqa: BLE001 - the run stands; its overrun is unknown, said so
                             log(f"warning: {pg.name}: {e}")
-                (records,) = run_graph(g, denv, [workload], cfg.load, cfg.env, log, cfg.progress, after)
+                gr = for_repeat(g, rep)
+                (records,) = run_graph(gr, denv, [workload], cfg.load, cfg.env, log, cfg.progress, after)
                 results[g.name].runs.append(records)
+                results[g.name].seeds.append(link_seed(gr))
                 errs = sum(1 for r in records if r.error)
                 log(f"{g.name}: {len(records)} requests, {errs} errors ({time.monotonic() - t:.0f}s with deploy)")
     summaries = {name: summarize_graph(res, cfg.sla, site_chips, catalog) for name, res in results.items()}
@@ -467,10 +525,8 @@ def run_compare(workload: Workload, cfg: CompareConfig = CompareConfig(),
         head.update(emulated_headline(results, summaries, cfg))
         try:  # the simulator replays the same requests on the same scenario (a failure costs only this)
             from evaluations.emulated import simulate_records
-            from evaluations.report import record_rows
 
-            rows = [row for n, res in results.items() for i, run in enumerate(res.runs)
-                    for row in record_rows(run, graph=n, repeat=i)]
+            rows = [row for res in results.values() for row in res.rows()]
             over = head.get("software_overhead_ms_p50")
             ov_s = over / 1e3 / cfg.emulate.time_scale if over is not None else 0.0
             head["sim_request_overhead_s"] = ov_s
@@ -487,8 +543,7 @@ def run_compare(workload: Workload, cfg: CompareConfig = CompareConfig(),
 
     # local artifacts (also logged to MLflow)
     by_graph = {n: r.records for n, r in results.items()}
-    write_parquet([row for n, res in results.items() for i, run in enumerate(res.runs)
-                   for row in record_rows(run, graph=n, repeat=i)], out_dir / "requests.parquet")
+    write_parquet([row for res in results.values() for row in res.rows()], out_dir / "requests.parquet")
     cdf = ttft_cdf_plot(by_graph, out_dir / "ttft_cdf.png", f"{workload.name}: TTFT and 2nd-token CDF")
     (out_dir / "summary.json").write_text(json.dumps({"summaries": summaries, "headline": head}, indent=2,
                                                      default=str))
@@ -510,7 +565,7 @@ def run_compare(workload: Workload, cfg: CompareConfig = CompareConfig(),
 def _log_compare(tracker: Any, workload: Workload, cfg: CompareConfig, results: Mapping[str, GraphResult],
                  summaries: Mapping[str, Mapping[str, Any]], head: Mapping[str, Any], catalog: Any,
                  site_chips: Mapping[str, str], out_dir: Path, cdf: Path) -> dict[str, str]:
-    from evaluations.report import record_rows, ttft_cdf_plot, write_parquet
+    from evaluations.report import ttft_cdf_plot, write_parquet
     from evaluations.tracking import flat_metrics
 
     common = {**common_params(workload, cfg.sla, cfg.load, site_chips, cfg.catalog, cfg.repeats),
@@ -527,7 +582,7 @@ def _log_compare(tracker: Any, workload: Workload, cfg: CompareConfig, results: 
             params = {**common, "graph": name, "graph_file": str(g.source), **link_params(g),
                       **policy_params(g.cfg), **engine_params(g.cfg), **cost.params()}
             gdir = out_dir / name
-            rows = [row for i, r in enumerate(res.runs) for row in record_rows(r, graph=name, repeat=i)]
+            rows = res.rows()
             arts = [write_parquet(rows, gdir / "requests.parquet"),
                     ttft_cdf_plot({name: res.records}, gdir / "ttft_cdf.png", f"{name}: {workload.name}"), g.path]
             tracker.log(run, params, flat_metrics(summaries[name]), arts)

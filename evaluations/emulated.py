@@ -238,7 +238,13 @@ def sim_scenario_doc(sc: EmulatedScenario, graphs: list[Any]) -> dict[str, Any]:
         dep["policy"] = pol
         deployments[g.name] = dep
     link = {k: v for k, v in sc.link.items()}
-    link.update(scale_to_model=False, per_prefill_bucket=True)
+    # a push runs on flight.streams parallel streams, each sending one batch at a time; a batch
+    # never spans two prefill chunks' blocks (serve/prefill.py feeds the sender chunk by chunk)
+    fl = next((g.cfg.flight for g in graphs if g.cross_site), first.flight)
+    bs = first.model.block_size
+    unit_blocks = min(fl.batch_blocks, max(1, PREFILL_CHUNK_TOKENS // bs))
+    link.update(scale_to_model=False, per_prefill_bucket=True, streams=fl.streams,
+                stream_unit_bytes=unit_blocks * bs * shape.kv_bytes_per_token)
     return {
         "name": f"{sc.name} (simulated)",
         "chips": chips,

@@ -192,6 +192,36 @@ def prepare_graphs(paths: Sequence[str | Path], out_dir: Path, http_port: int, l
     return out
 
 
+def link_seed(g: PreparedGraph) -> int | None:
+    """The seed of a cross-site graph's link jitter as deployed (None: same site)."""
+    if not g.cross_site:
+        return None
+    return int(g.cfg.link.build(2048).config.seed)
+
+
+def for_repeat(g: PreparedGraph, rep: int) -> PreparedGraph:
+    """The graph as repeat `rep` deploys it: a cross-site link draws its jitter from seed + rep,
+    so repeats are independent draws of the line's weather (the same draw for every graph of one
+    repeat), not one draw seen N times; repeat 0 is the graph as prepared."""
+    import yaml
+
+    if rep == 0 or not g.cross_site:
+        return g
+    doc = yaml.safe_load(g.path.read_text())
+    args = doc["applications"][0]["args"]
+    link = args.get("link")
+    link = {"preset": link} if isinstance(link, str) else dict(link or {})
+    link["seed"] = int(link_seed(g) or 0) + rep
+    args["link"] = link
+    dst = g.path.with_name(f"{g.path.stem}.repeat{rep}.yaml")
+    dst.write_text(f"# {g.path.name} with the link jitter of repeat {rep}\n" + yaml.safe_dump(doc, sort_keys=False))
+    try:
+        cfg = load_graph_yaml(dst)
+    except ConfigError as e:
+        raise EvalError(str(e)) from None
+    return PreparedGraph(g.name, g.source, dst, cfg, link)
+
+
 def link_params(g: PreparedGraph) -> dict[str, Any]:
     """The emulated link as MLflow params (what was configured and what it amounts to)."""
     out: dict[str, Any] = {"link": json.dumps(g.link, sort_keys=True) if not isinstance(g.link, str) else g.link}

@@ -167,7 +167,7 @@ def _stream(url: str, prompt: list[int], n: int, stop: str | None, pdd: dict | N
     return out
 
 
-def mismatch(r: "Rec") -> dict:
+def mismatch(r: Rec) -> dict:
     """Where a stream read to the end left its reference: enough to find the path that did it."""
     got, want = r.s.ids, r.want or []
     at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))

@@ -325,3 +325,104 @@ def test_relay_cost_fraction_prices_a_share_of_the_relay(tmp_path) -> None:
                    + "relay_cost_fraction: 0\n")
     with pytest.raises(ScenarioError, match="relay_cost_fraction"):
         load_scenario(bad)
+
+
+def test_each_repeat_draws_its_own_line_the_same_for_every_graph(tmp_path) -> None:
+    """Repeat k deploys every cross-site graph with the link's seed + k: the repeats are k draws of
+    the line's jitter, not one draw seen k times; same-DC has no line and is deployed as prepared."""
+    from evaluations.emulated import load_scenario
+    from evaluations.harness import DEFAULT_GRAPHS, for_repeat, link_seed, prepare_graphs
+
+    sc = load_scenario("emulated_70b")
+    by = {g.name: g for g in prepare_graphs(DEFAULT_GRAPHS, tmp_path, 8999, sc.link, emulate=sc)}
+    base = link_seed(by["pdd"])
+    assert for_repeat(by["pdd"], 0) is by["pdd"] and link_seed(by["pd_same_dc"]) is None
+    assert for_repeat(by["pd_same_dc"], 2) is by["pd_same_dc"]
+    for name in ("pdd", "pd_cross_dc", "pd_cross_dc_naive"):
+        g2 = for_repeat(by[name], 2)
+        assert link_seed(g2) == base + 2 and g2.path != by[name].path and g2.cfg.emulated
+        seeded = g2.cfg.link.build(2048, raw=True).config
+        assert seeded.bandwidth_bps == by[name].cfg.link.build(2048, raw=True).config.bandwidth_bps
+
+
+def test_the_emulated_floor_is_built_from_the_modeled_steps(tmp_path) -> None:
+    """An emulated request's TTFT floor: its prefill alone on the prefill chip past its prefix hit;
+    on P->MD also the KV no faster than the line's mean rate (overlapping the prefill), a hop
+    each way and MD's first step alone; a relay pipeline's first token is P's."""
+    from evaluations.compare import modeled_floor, modeled_prefill_s
+    from evaluations.emulated import load_scenario
+    from evaluations.harness import DEFAULT_GRAPHS, prepare_graphs
+    from evaluations.loadgen import RequestRecord
+    from pdd_serve.serve.prefill import PREFILL_CHUNK_TOKENS
+
+    sc = load_scenario("emulated_70b")
+    cfg = {g.name: g.cfg for g in prepare_graphs(DEFAULT_GRAPHS, tmp_path, 8999, sc.link, emulate=sc)}["pdd"]
+    p, md = cfg.emulation_for("prefill"), cfg.emulation_for("main_decode")
+    assert PREFILL_CHUNK_TOKENS == 256
+    pre = p.prefill_s(256, 500) + p.prefill_s(244, 756)  # 1000 tokens, half cached: 500 past the hit, 2 chunks
+    assert modeled_prefill_s(1000, 0.5, p, 256) == pytest.approx(pre)
+    r = RequestRecord("s", 0, "warm", 1000, pdd={"pipeline": "P-MD", "prefix_hit_p": 0.5, "wan_bytes": 0})
+    assert modeled_floor(r, cfg, 0.02, 2.5e9) == pytest.approx(pre + 0.04 + md.decode_s(1, 1000))
+    r.pdd["wan_bytes"] = 500 * 320 * 1024  # 164 MB: 0.52 s on 2.5 Gb/s, longer than the prefill
+    assert modeled_floor(r, cfg, 0.02, 2.5e9) == pytest.approx(500 * 320 * 1024 * 8 / 2.5e9 + 0.04 + md.decode_s(1, 1000))
+    r.pdd["pipeline"] = "P-RLD-MD"
+    assert modeled_floor(r, cfg, 0.02, 2.5e9) == pytest.approx(pre)
+
+
+def test_the_emulated_compare_reads_its_runs_back_offline(tmp_path) -> None:
+    """Everything the emulated compare does after its runs, on records shaped like a real run's
+    (no cluster): modeled floors for every graph, the ratios with spreads over repeats, BCR with the
+    relay priced at the scenario's share and whole, and the simulator replaying each repeat on the
+    draw of the line the records say it met."""
+    from evaluations.compare import (
+        PDD,
+        SAME,
+        CompareConfig,
+        GraphResult,
+        add_sim_predictions,
+        emulated_headline,
+        floors,
+        summarize_graph,
+    )
+    from evaluations.cost import load_catalog
+    from evaluations.emulated import load_scenario, simulate_records
+    from evaluations.harness import DEFAULT_GRAPHS, for_repeat, link_seed, prepare_graphs
+    from evaluations.loadgen import SLA, RequestRecord
+
+    sc = load_scenario("emulated_70b")
+    graphs = prepare_graphs(DEFAULT_GRAPHS, tmp_path, 8999, sc.link, emulate=sc)
+    results = {}
+    for g in graphs:
+        res = GraphResult(g)
+        for rep in range(2):
+            run = []
+            for k in range(4):
+                cross = g.cross_site
+                run.append(RequestRecord(
+                    f"s{k}", 0, "warm", 600, 0.9, 16, t_send_s=1.0 * k, status=200, token_ids=list(range(16)),
+                    ttft_s=0.15 + 0.05 * k + (0.1 if cross else 0.0), tpot_s=0.01, e2e_s=0.4, output_tokens=16,
+                    pdd={"pipeline": "P-MD", "prefix_hit_p": 0.9, "prefix_hit_md": 0.9 if cross else 0.0,
+                         "wan_bytes": 60 * 320 * 1024 if cross else 0,
+                         **({"link_t_s": 30.0 + 3 * rep + k} if cross else {})}))
+            res.runs.append(run)
+            res.seeds.append(link_seed(for_repeat(g, rep)))
+        results[g.name] = res
+    cfg = CompareConfig(sla=SLA(sc.sla["ttft_s"], sc.sla["tpot_s"]), repeats=2, emulate=sc, mlflow=False)
+    summaries = {n: summarize_graph(r, cfg.sla, dict(cfg.site_chips), load_catalog(cfg.catalog))
+                 for n, r in results.items()}
+    fl = floors(results)
+    assert set(fl) == set(results)  # emulated: every graph, same-DC included, has a modeled floor
+    for n, extra in fl.items():
+        assert 0 < extra["ttft_floor_p50_s"] < summaries[n]["ttft_p50_s"] + 1e-9
+        summaries[n].update(extra)
+    head = emulated_headline(results, summaries, cfg)
+    assert head["emulated"] and head["repeats"] == 2 and head["p90_ttft_vs_cross_dc_spread"] is not None
+    assert head["bcr_gain_vs_same_dc_whole_relay"] < head["bcr_gain_vs_same_dc"]  # the whole relay costs more
+    rows = [row for r in results.values() for row in r.rows()]
+    assert {row["link_seed"] for row in rows if row["graph"] == PDD} == {link_seed(for_repeat(results[PDD].graph, 0)),
+                                                                        link_seed(for_repeat(results[PDD].graph, 1))}
+    assert {row["link_seed"] for row in rows if row["graph"] == SAME} == {None}
+    sim = simulate_records(sc, graphs, rows, tmp_path)
+    assert sim[PDD]["predicted"]["runs_on_recorded_link"] == 2 and sim[PDD]["predicted"]["draws"] == 1
+    add_sim_predictions(head, sim)
+    assert head["sim_vs_real_max_rel_err"] is not None and head["sim_p90_ttft_vs_cross_dc"] is not None

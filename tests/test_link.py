@@ -53,6 +53,21 @@ def test_lognormal_is_pure_and_seeded() -> None:
     assert max(one_epoch) / min(one_epoch) > 3  # and it does fluctuate
 
 
+def test_phase_replays_the_line_from_a_later_point_of_its_jitter() -> None:
+    """phase_s: the model at time t is the line at t + phase_s (the simulator replays a real run
+    from the link time its requests met), for transfer times and carried bytes alike."""
+    kw = dict(bandwidth_bps=1e9, jitter="lognormal", sigma=0.5, seed=3, epoch_s=1.0)
+    line, shifted = LinkModel(**kw), LinkModel(**kw, phase_s=7.3)
+    for at in (0.0, 0.2, 0.69, 1.5, 4.0):
+        assert shifted.transfer_time(300 * MB, at) == pytest.approx(line.transfer_time(300 * MB, at + 7.3))
+        assert shifted.capacity_bytes(at, at + 2.5) == pytest.approx(line.capacity_bytes(at + 7.3, at + 9.8))
+    assert shifted.transfer_time(300 * MB, 0.0) != pytest.approx(line.transfer_time(300 * MB, 0.0))
+    stalled = LinkModel(bandwidth_bps=8e6, jitter="stalls", stalls=[(10.0, 2.0)], phase_s=9.5)
+    assert stalled.transfer_time(MB, 0.0) == pytest.approx(3.0)  # 0.5 s, the stall's 2 s, 0.5 s
+    with pytest.raises(ValueError, match="phase_s"):
+        LinkConfig(bandwidth_bps=1e9, phase_s=-1.0)
+
+
 def test_lognormal_bandwidth_is_the_mean_rate() -> None:
     """A saturated sender moves bandwidth_bps on average (factors have mean 1, not median 1), and
     capacity_bytes is arrival_end's inverse (what the simulator shares among streams)."""

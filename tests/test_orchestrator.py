@@ -217,7 +217,9 @@ class InProcessBackends:
                 self.kv_event.setdefault(req.request_id, asyncio.Event()).set()
 
             asyncio.ensure_future(arrive())
-        return PrefillResult(first, finish, seq.prefix_hit_tokens, 0.0, wan, kv if preq.to_relay else None)
+        # link_t_s: where the (here imaginary) line's clock stood, reported as a real Prefill does
+        return PrefillResult(first, finish, seq.prefix_hit_tokens, 0.0, wan, kv if preq.to_relay else None,
+                             link_t_s=float(len(req.prompt_token_ids)))
 
     async def relay(self, rreq):
         req = rreq.req
@@ -311,6 +313,8 @@ def test_policy_picks_relay_for_low_hit_and_md_for_high_hit(model_dir):
     assert st2.info.pipeline == "P-MD", st2.info.reason  # MD's DRC holds turn 1: small delta
     assert st2.info.md_replica == st1.info.md_replica  # prefix affinity
     assert st2.info.prefix_hit_md > 0.9
+    # the response says where in the line's jitter each request fell (the simulator replays it)
+    assert (st1.info.link_t_s, st2.info.link_t_s) == (len(turn1), len(turn2))
 
 
 def test_link_estimate_shares_the_line_fairly():

@@ -339,6 +339,77 @@ def test_shared_pacer_is_processor_sharing() -> None:
     assert done["a"] == pytest.approx(2.1) and done["b"] == pytest.approx(2.1)
 
 
+def test_shared_pacer_shares_the_line_per_stream() -> None:
+    """A push runs on up to `streams` parallel Flight streams, one batch each, and the pacer shares
+    the line per stream: a one-batch delta beside a large push gets a third at 2 streams, not half."""
+    from evaluations.sim.simulator import SharedPacer
+    from pdd_serve.transport.link import LinkModel
+
+    class Clock:
+        now = 0.0
+
+        def __init__(self) -> None:
+            self.ev: list[tuple[float, Any, tuple]] = []
+
+        def at(self, t: float, fn: Any, *args: Any) -> None:
+            self.ev.append((t, fn, args))
+            self.ev.sort(key=lambda e: e[0])
+
+        def run(self) -> None:
+            while self.ev:
+                t, fn, args = self.ev.pop(0)
+                self.now = t
+                fn(*args)
+
+    sim = Clock()
+    pacer = SharedPacer(sim, LinkModel(bandwidth_bps=8e6), streams=2, unit_bytes=100_000)  # type: ignore[arg-type]
+    assert (pacer.streams_for(1), pacer.streams_for(100_000), pacer.streams_for(100_001)) == (1, 1, 2)
+    done: dict[str, float] = {}
+    pacer.add(1, 1_000_000, lambda t: done.__setitem__("big", t))
+    sim.at(0.5, pacer.add, 2, 100_000, lambda t: done.__setitem__("small", t))
+    sim.at(0.6, lambda: done.__setitem__("backlog", sorted(pacer.backlog())))
+    sim.run()
+    assert done["small"] == pytest.approx(0.5 + 0.3)  # a third of 1 MB/s for 100 KB
+    assert done["big"] == pytest.approx(1.1)  # 500 KB alone, 200 KB beside it, 300 KB alone
+    assert done["backlog"] == [pytest.approx(66_667, abs=2), pytest.approx(433_333, abs=2)]
+
+
+def test_a_decoders_first_token_comes_after_its_first_step(tiny) -> None:
+    """A request joining a decode batch has its first token when the batch's first step ends,
+    not when it joins (MD's first step is part of a P->MD TTFT)."""
+    from evaluations.sim.simulator import _Member
+
+    sim = Simulation(tiny, tiny.deployments["pdmd"], Workload([], [], 256))
+    md = sim.mds[0]
+    got: list[float] = []
+    md.join(_Member(SimRequest(0, 0.0, 1000, 8, ()), 8, 1000, lambda m, t: got.append(t)))
+    sim.run()
+    assert got == [pytest.approx(decode_series(md.chip, sim.model, md.n, 1, 1000).time(1))] and got[0] > 0
+
+
+def test_validate_replays_the_draw_of_the_line_each_repeat_met(tiny) -> None:
+    """Records that carry their run's link seed and Prefill's link clock are replayed on that very
+    draw (one simulation per run, the line's phase from the clock); without them the prediction
+    averages over seeds."""
+    from evaluations.sim.validate import predicted, recorded_link, runs_of
+
+    rows = [{"repeat": rep, "session_id": f"s{k}", "turn": 0, "t_send_s": 2.0 * k, "e2e_s": 1.0, "ttft_s": 0.5,
+             "tpot_s": 0.01, "prompt_tokens": 4096, "output_tokens": 8, "error": "", "pdd_pipeline": "P-MD",
+             "link_seed": 10 + rep, "pdd_link_t_s": 30.0 + 5 * rep + 2.0 * k + 0.01 * k}
+            for rep in (0, 1) for k in range(4)]
+    runs = runs_of(rows)
+    assert recorded_link(runs[0]) == (10, pytest.approx(30.015))
+    assert recorded_link(runs[1], request_overhead_s=0.015) == (11, pytest.approx(35.0))
+    exact = predicted(tiny, "pdmd", rows, 3.0, 0.08, draws=4)
+    assert exact["draws"] == 1 and exact["runs_on_recorded_link"] == 2
+    later = predicted(tiny, "pdmd", [{**r, "pdd_link_t_s": r["pdd_link_t_s"] + 17.0} for r in rows], 3.0, 0.08)
+    assert later["ttft_p50"] != pytest.approx(exact["ttft_p50"])  # the phase reaches the replayed line
+    blind = predicted(tiny, "pdmd", [{k: v for k, v in r.items() if k != "pdd_link_t_s"} for r in rows], 3.0, 0.08,
+                      draws=4)
+    assert blind["draws"] == 4 and blind["runs_on_recorded_link"] == 0
+    assert predicted(tiny, "same_dc", rows, 3.0, 0.08, draws=4)["draws"] == 1  # no line, nothing to draw
+
+
 def test_validate_replays_repeats_and_sessions() -> None:
     from evaluations.sim.validate import measured, records_to_workload, runs_of
 

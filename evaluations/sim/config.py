@@ -143,6 +143,11 @@ class LinkSpec:
     overrides: tuple[tuple[str, Any], ...] = ()
     line_gbps: float | None = None  # aggregate capacity of the line (None: only the per-transfer model)
     per_prefill_bucket: bool = False  # transfers of one P replica share its pacer (pdd_serve's Prefill)
+    # with per_prefill_bucket: a push's parallel Flight streams (flight.streams) and the bytes one
+    # stream sends at a time (a batch, never more than one prefill chunk's blocks): the line is
+    # shared per stream, so a push of one batch has one share, a large one up to `streams`
+    streams: int = 1
+    stream_unit_bytes: float | None = None
     # Router <-> MD messages (tokens, handoffs) pay the one-way latency too; false for pdd_serve's
     # emulated WAN on one machine, which delays only the paced KV stream
     control_latency: bool = True
@@ -160,6 +165,8 @@ class LinkSpec:
         _check(self.line_gbps is None or _pos(self.line_gbps), "line_gbps", "must be > 0 or null")
         _check(self.wire_bps is None or _pos(self.wire_bps), "wire_bps", "must be > 0 or null")
         _check(0 < self.wire_goodput <= 1, "wire_goodput", "must be in (0, 1]")
+        _check(isinstance(self.streams, int) and 1 <= self.streams <= 16, "streams", "must be an int in [1, 16]")
+        _check(self.stream_unit_bytes is None or _pos(self.stream_unit_bytes), "stream_unit_bytes", "must be > 0 or null")
         _check(self.price_per_hour >= 0, "price_per_hour", "must be >= 0")
 
     @property

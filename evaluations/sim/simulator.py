@@ -276,6 +276,7 @@ class DecodeInstance:
             self.sim.at(t, cb, *args)
         self.busy_until = t
         # 4. admission (FIFO): batch cap and KV memory
+        joined: list[_Member] = []
         while self.waiting:
             m = self.waiting[0]
             if m.cancelled:
@@ -290,14 +291,17 @@ class DecodeInstance:
             heapq.heappush(self.fin, (m.finish_step, m.req.rid))
             self.ctx += m.ctx
             self.reserved += need
-            if m.on_join is not None:
-                m.on_join(m, t)
+            joined.append(m)
         self.peak_batch = max(self.peak_batch, len(self.members))
         # 5. the next segment
         self.seg_t0 = t
         if self.members:
             self.series = decode_series(self.chip, self.sim.model, self.n, len(self.members), self.ctx)
             self._schedule(t + self.series.time(self._seg_cap()))
+            first = t + self.series.time(1)  # a joiner's first token comes out of the segment's first step
+            for m in joined:
+                if m.on_join is not None:
+                    m.on_join(m, first)
         elif t > now and (self.waiting or self.ops):
             self._schedule(t)
 
@@ -390,24 +394,34 @@ class SharedPacer:
     """pdd_serve's per-Prefill LinkModel, shared by the replica's concurrent Flight streams. Each
     stream books one quantum (`PACE_QUANTUM_BYTES`) at a time, chained on the last booked arrival,
     so concurrent streams take turns quantum by quantum: processor sharing of the link's (jittered)
-    rate, not FIFO. Fluid model: every active flow gets 1/n of the capacity."""
+    rate among STREAMS, not FIFO. A push runs on up to `streams` parallel streams, each sending
+    one batch (`unit_bytes`) at a time, so a transfer of one batch has one stream's share and a
+    large one up to `streams` shares (a small delta behind a cold push gets 1/3, not 1/2, at 2
+    streams). Fluid model: every active flow gets capacity x its streams / all streams."""
 
-    def __init__(self, sim: Simulation, link: Any) -> None:
+    def __init__(self, sim: Simulation, link: Any, streams: int = 1, unit_bytes: float | None = None) -> None:
         self.sim, self.link = sim, link
+        self.streams, self.unit = max(1, streams), unit_bytes
         self.done_cb: dict[int, Callable[[float], None]] = {}
-        self.heap: list[tuple[float, int]] = []  # (attained service at which the flow is done, rid)
-        self.served = 0.0  # bytes every flow active since the start has received
+        self.weight: dict[int, int] = {}
+        self.heap: list[tuple[float, int]] = []  # (service per stream at which the flow is done, rid)
+        self.served = 0.0  # bytes every stream active since the start has received
         self.t = 0.0
         self.ver = 0
+
+    def streams_for(self, nbytes: float) -> int:
+        if self.unit is None or self.unit <= 0:
+            return self.streams
+        return max(1, min(self.streams, math.ceil(nbytes / self.unit)))
 
     def backlog(self) -> list[int]:
         """Bytes left of each flow on the line (what the real Router's ledger estimates)."""
         self._advance(self.sim.now)
-        return [max(0, int(done - self.served)) for done, _ in self.heap]
+        return [max(0, int((done - self.served) * self.weight[rid])) for done, rid in self.heap]
 
     def _advance(self, now: float) -> None:
-        if self.done_cb and now > self.t:
-            self.served += self.link.capacity_bytes(self.t, now) / len(self.done_cb)
+        if self.weight and now > self.t:
+            self.served += self.link.capacity_bytes(self.t, now) / sum(self.weight.values())
         self.t = max(self.t, now)
 
     def add(self, rid: int, nbytes: int, on_done: Callable[[float], None]) -> None:
@@ -416,14 +430,15 @@ class SharedPacer:
             on_done(now)
             return
         self._advance(now)
-        self.done_cb[rid] = on_done
-        heapq.heappush(self.heap, (self.served + nbytes, rid))
+        w = self.streams_for(nbytes)
+        self.done_cb[rid], self.weight[rid] = on_done, w
+        heapq.heappush(self.heap, (self.served + nbytes / w, rid))
         self._schedule()
 
     def _schedule(self) -> None:
         self.ver += 1
         if self.heap:
-            left = (self.heap[0][0] - self.served) * len(self.done_cb)
+            left = (self.heap[0][0] - self.served) * sum(self.weight.values())
             self.sim.at(self.link.arrival_end(self.t, max(0.0, left)), self._tick, self.ver)
 
     def _tick(self, ver: int) -> None:
@@ -432,7 +447,9 @@ class SharedPacer:
         self._advance(self.sim.now)
         done = []
         while self.heap and self.heap[0][0] <= self.served * (1 + 1e-12) + 1e-6:
-            done.append(self.done_cb.pop(heapq.heappop(self.heap)[1]))
+            rid = heapq.heappop(self.heap)[1]
+            del self.weight[rid]
+            done.append(self.done_cb.pop(rid))
         self._schedule()
         for cb in done:
             cb(self.sim.now)
@@ -486,7 +503,7 @@ class Simulation:
                    for i in range(rp.instances)]
         if self.link is not None and ls.per_prefill_bucket:
             for p in self.ps:  # one pacer (one LinkModel) per Prefill replica, as serve/prefill.py has
-                p.pacer = SharedPacer(self, ls.build(self.model.kv_bytes_per_token))
+                p.pacer = SharedPacer(self, ls.build(self.model.kv_bytes_per_token), ls.streams, ls.stream_unit_bytes)
                 p.bw = BandwidthEstimator(initial_bps=bw)
         self.senders: dict[int, tuple[float, bool, int]] = {}  # rid -> (sender start, alone, start count)
         self.ledger: dict[int, tuple[int, float]] = {}  # the Router's transfers on the line: rid -> (bytes, since)

@@ -175,35 +175,56 @@ def with_link(sc: Scenario, link: str) -> Scenario:
     return dataclasses.replace(sc, deployments=deps)
 
 
-def with_link_seed(sc: Scenario, graph: str, seed: int) -> Scenario:
-    """The scenario with the graph's link jitter drawn from another seed."""
+def with_link_seed(sc: Scenario, graph: str, seed: int, phase_s: float = 0.0) -> Scenario:
+    """The scenario with the graph's link jitter drawn from another seed, the line `phase_s` into
+    its jitter at the simulation's time 0."""
     import dataclasses
 
     name = sc.deployments[graph].link
     ls = sc.links[name]
-    ov = tuple((k, v) for k, v in ls.overrides if k != "seed") + (("seed", seed),)
+    ov = tuple((k, v) for k, v in ls.overrides if k not in ("seed", "phase_s")) + (("seed", seed),)
+    if phase_s > 0:
+        ov += (("phase_s", phase_s),)
     return dataclasses.replace(sc, links={**sc.links, name: dataclasses.replace(ls, overrides=ov)})
+
+
+def recorded_link(run: list[dict[str, Any]], request_overhead_s: float = 0.0) -> tuple[int, float] | None:
+    """(seed, phase) of the line one run met, from its records: the seed it was deployed with
+    (`link_seed`) and where Prefill's link clock stood when each request reached it
+    (`pdd_link_t_s`) against the request's send time. None when the records don't say (then the
+    jitter's phase is unknown and the prediction averages over seeds)."""
+    seed = _f(run[0], "link_seed") if run else None
+    t0 = min(_send_time(r) for r in run) if run else 0.0
+    at = [lt - (_send_time(r) - t0) - request_overhead_s for r in run
+          if (lt := _f(r, "pdd_link_t_s")) is not None and math.isfinite(lt)]
+    if seed is None or not at:
+        return None
+    return int(seed), max(0.0, float(np.median(at)))
 
 
 def predicted(sc: Scenario, graph: str, rows: list[dict[str, Any]], ttft_s: float, tpot_s: float,
               draws: int = 1, sessions: bool = True) -> dict[str, Any]:
-    """Replay every repeat of one graph, `draws` times with a different link seed each when the
-    graph crosses sites: the real pacer's jitter epochs start when its Prefill replica is made,
-    a phase the records don't give, so the prediction is the mean over draws (min and max kept)."""
+    """Replay every repeat of one graph. A cross-site repeat whose records give the line's draw
+    (`recorded_link`: the seed it was deployed with, Prefill's link clock per request) is replayed
+    on that draw; otherwise `draws` times with a different link seed each, and the prediction is
+    the mean over draws (min and max kept)."""
     from evaluations.sim.metrics import tpot, ttft
     from evaluations.sim.simulator import Simulation
 
     cross = sc.links[sc.deployments[graph].link].cross_site
+    runs = runs_of(rows)
+    # a run whose records say which draw of the line it met is replayed on that draw, once
+    met = [recorded_link(run, sc.scheduler.request_overhead_s) if cross else None for run in runs]
     per_draw: list[dict[str, float]] = []
     pipes: dict[str, int] = {}
     wall = 0.0
-    for k in range(draws if cross else 1):
-        sck = with_link_seed(sc, graph, k) if cross else sc
+    for k in range(draws if cross and None in met else 1):
         tt: list[float] = []
         tp: list[float] = []
         pre: list[float] = []
         good, span = 0, 0.0
-        for run in runs_of(rows):
+        for run, m in zip(runs, met):
+            sck = sc if not cross else with_link_seed(sc, graph, *m) if m is not None else with_link_seed(sc, graph, k)
             sim = Simulation(sck, sck.deployments[graph], records_to_workload(run, sc.workload.block_size, sessions))
             reqs = sim.run()
             wall += sim.wall_s
@@ -224,7 +245,8 @@ def predicted(sc: Scenario, graph: str, rows: list[dict[str, Any]], ttft_s: floa
                          "tpot_p50": float(np.median(tp)) if tp else math.nan})
     out: dict[str, Any] = {k: float(np.mean([d[k] for d in per_draw])) for k in per_draw[0]}
     out["range"] = {k: (min(d[k] for d in per_draw), max(d[k] for d in per_draw)) for k in per_draw[0]}
-    out.update(pipelines=pipes, draws=len(per_draw), sim_seconds=wall)
+    out.update(pipelines=pipes, draws=len(per_draw), sim_seconds=wall,
+               runs_on_recorded_link=sum(m is not None for m in met))
     return out
 
 

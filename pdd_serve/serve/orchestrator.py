@@ -154,7 +154,7 @@ class Orchestrator:
                 self._background(self._settle_prepare(st, md, prep, target))
             if pre.link_bps:  # Prefill's live view of the line
                 self.link = replace(self.link, bandwidth_bps=pre.link_bps / 8)
-            info.wan_bytes = pre.wan_bytes
+            info.wan_bytes, info.link_t_s = pre.wan_bytes, pre.link_t_s
             st.committed.append(pre.first_token)
             # P->MD streams from MD, as a PD system does: the first token leaves with MD's first
             # chunk, once MD holds the KV (policy.stream_first_token: send P's token at once instead).

@@ -191,6 +191,7 @@ class Prefill:
         from pdd_serve.transport.object_store import put_kv
 
         req = preq.req
+        link_t = self.link.now() if self.link.config.paced else None
         held = self._reserve_send(req, preq.md_target)
         try:
             seq = await self.worker.call(self._admit, req, stop)
@@ -235,7 +236,7 @@ class Prefill:
             self.prefilling -= 1
         wan = int(feed.nbytes * self.kv_scale) if feed is not None else 0
         return PrefillResult(first, finish, seq.prefix_hit_tokens, (time.perf_counter() - t0) / self.cfg.time_scale,
-                             wan, kv_ref, self.bw.bps)
+                             wan, kv_ref, self.bw.bps, link_t)
 
     def _reserve_send(self, req: GenRequest, target: KVTarget | None) -> int:
         """Count the KV this request will put on the line against the replica's send buffer, or

@@ -78,6 +78,7 @@ class PDDInfo:
     md_step_s: float | None = None
     kv_ready_s: float | None = None
     handoff_s: float | None = None
+    link_t_s: float | None = None  # Prefill's link clock at the call (PrefillResult.link_t_s)
     reason: str = ""
     fallback: str | None = None  # the last fault path taken, with its cause
     fallbacks: list[str] = field(default_factory=list)

@@ -60,6 +60,9 @@ class LinkConfig:
     stalls: tuple[tuple[float, float], ...] = ()  # (at_s, duration_s), link clock
     epoch_s: float = 1.0  # conditions are constant within an epoch
     burst_gap_s: float = 0.005  # a sender idle longer than this starts a new burst (pays latency again)
+    # where in its jitter the line is at this model's time 0: the simulator replays a real run from
+    # the link time its requests met (PrefillResult.link_t_s) with the same seed
+    phase_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.jitter.startswith("trace:"):  # config.py's `jitter: trace:PATH` form
@@ -79,6 +82,8 @@ class LinkConfig:
             raise ValueError("lognormal jitter needs sigma > 0")
         if not (self.epoch_s > 0 and math.isfinite(self.epoch_s)):
             raise ValueError(f"link epoch_s must be > 0, got {self.epoch_s}")
+        if not (self.phase_s >= 0 and math.isfinite(self.phase_s)):
+            raise ValueError(f"link phase_s must be >= 0 and finite, got {self.phase_s}")
         if self.burst_gap_s < 0:
             raise ValueError(f"link burst_gap_s must be >= 0, got {self.burst_gap_s}")
         if self.trace_kind not in ("delay", "throughput"):
@@ -207,6 +212,13 @@ class LinkModel:
     def _factor_at(self, t: float) -> tuple[float, float]:
         """(throughput factor at link time t, time until which it holds)."""
         c = self.config
+        if c.phase_s:  # the same conditions as the line at t + phase_s, on this model's clock
+            f, end = self._factor_at_line(t + c.phase_s)
+            return f, max(end - c.phase_s, math.nextafter(t, math.inf))  # rounding must not stall a loop
+        return self._factor_at_line(t)
+
+    def _factor_at_line(self, t: float) -> tuple[float, float]:
+        c = self.config
         k = int(t // c.epoch_s)
         end = (k + 1) * c.epoch_s
         if c.jitter == "lognormal":
@@ -227,7 +239,7 @@ class LinkModel:
         c = self.config
         extra = 0.0
         if c.jitter == "trace" and c.trace_kind == "delay":
-            extra = self._trace[int(t // c.epoch_s) % len(self._trace)]
+            extra = self._trace[int((t + c.phase_s) // c.epoch_s) % len(self._trace)]
         return c.one_way_latency_s + extra
 
     def arrival_end(self, t: float, nbytes: float) -> float:
