@@ -143,7 +143,8 @@ everything runs in slow motion (the scenario's time_scale), so this machine's CP
 each step. Times print in emulated seconds and say so; the JSON adds each ratio's median and spread
 over --repeats, BCR on the emulated chips' prices, the pacers' overrun per step kind (above 5%: raise
 time_scale), the software overhead in real ms, and the simulator's replay of the same requests
-(sim_* keys, sim_vs_real_max_rel_err). About 25 minutes per repeat here (--naive-once saves ~7).
+(sim_* keys, sim_vs_real_max_rel_err). About 25 minutes for the first repeat here, 15 for each
+later one with --naive-once (55 minutes for --repeats 3).
 """
 
 

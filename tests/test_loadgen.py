@@ -106,6 +106,15 @@ def test_headline_ratios_targets_and_output_identity():
     assert outputs_identity({"a": a, "b": b})[:2] == (True, 0)
     ok, n, examples = outputs_identity({"a": a, "b": b, "c": c})
     assert not ok and n == 1 and "x turn 0" in examples[0]
+    # --naive-once: a graph that ran the first repeat only is compared there, not counted missing later
+    rep2 = [_rec("x", 0.1, 0.01, ids=[1, 2]), _rec("y", 0.1, 0.01, ids=[3])]
+    two_a, two_b = GraphResult(None, [*a.runs, rep2]), GraphResult(None, [*b.runs, list(rep2)])
+    assert outputs_identity({"a": two_a, "b": two_b, "once": b})[:2] == (True, 0)
+    assert outputs_identity({"a": two_a, "b": two_b, "once": c})[:2] == (False, 1)
+    # ... but a request missing from a repeat a graph did run still is
+    short = GraphResult(None, [*b.runs, rep2[:1]])
+    ok, n, examples = outputs_identity({"a": two_a, "b": short})
+    assert not ok and n == 1 and "repeat 1 y" in examples[0]
 
 
 def test_hardware_cost_and_bcr_from_the_catalog(tmp_path):
