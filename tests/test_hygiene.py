@@ -145,7 +145,8 @@ def crcs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 # everything MD keeps per request
-MD_STATE = ("_calls", "_touched", "seqs", "_kv", "_registered", "_attempt", "_t_prepare", "_aborted")
+MD_STATE = ("_calls", "_touched", "seqs", "_kv", "_registered", "_attempt", "_t_prepare", "_aborted",
+            "_extend_on_import")
 
 
 def _assert_forgotten(md, rid: str, free_blocks: int) -> None:  # noqa: ANN001
@@ -241,6 +242,53 @@ def test_an_abort_during_a_handoff_extend_leaves_nothing(md, sender, monkeypatch
 
     asyncio.run(main())
     _assert_forgotten(md, rid, free)
+
+
+@pytest.mark.parametrize("kv_first", [False, True])
+def test_a_decode_waiting_for_its_kv_extends_in_the_imports_engine_call(md, sender, kv_first: bool) -> None:
+    """P->MD: decode is called before the KV lands (the usual case). Its extend over P's token runs
+    in the same engine-thread call as the import, so the batch loop cannot slip a step between them
+    (in an emulated run that step cost every P-MD request one decode step of TTFT). With the KV
+    already in (`kv_first`), the extend is its own call. Either way: the same tokens as one engine's
+    greedy generate, and nothing left behind."""
+    rid = f"extend-on-import-{kv_first}"
+    first, kv = _prompt_kv(sender, rid)
+    ref = sender.add(f"{rid}-ref", list(PROMPT), SamplingParams(4, ignore_eos=True))
+    want = [sender.prefill(ref)]
+    while not ref.finished:
+        want += [t for _, t in sender.step([ref])]
+    sender.release(ref, cache=False)
+    free, cached_before = md.engine.pool.num_free, md.engine.cache.num_blocks
+    submitted: list[str] = []
+    real_call = md.worker.call
+
+    async def recording_call(fn, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        submitted.append(getattr(fn, "__name__", repr(fn)))
+        return await real_call(fn, *args, **kwargs)
+
+    md.worker.call = recording_call
+
+    async def main() -> list[int]:
+        await md.prepare(_req(rid))
+        if kv_first:
+            await asyncio.to_thread(_push, md, kv, rid)
+            assert (await md.wait_kv(rid, 10)).ok
+        task = asyncio.create_task(_collect(md.decode(rid, [first], 10)))
+        if not kv_first:
+            await _until(lambda: rid in md._extend_on_import)  # decode waits for the KV
+            await asyncio.to_thread(_push, md, kv, rid)
+        return await asyncio.wait_for(task, 20)
+
+    got = asyncio.run(main())
+    assert [first, *got] == want
+    assert ("_extend_committed" in submitted) == kv_first, submitted  # merged into `load` otherwise
+    cached = md.engine.cache.num_blocks - cached_before  # a finished request's blocks stay in MD's DRC
+    assert 0 < cached <= BLOCKS, cached  # its full blocks
+    _assert_forgotten(md, rid, free - cached)
+
+
+async def _collect(chunks) -> list[int]:  # noqa: ANN001
+    return [t async for c in chunks for t in c.token_ids]
 
 
 # ---------------------------------------------------------------- item 7: off the event loop, one CRC per hop

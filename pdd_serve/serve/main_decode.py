@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from ray import serve
 
@@ -49,6 +49,9 @@ class MainDecode:
         self.flight = self._new_flight()
         self.seqs: dict[str, Sequence] = {}
         self._kv: dict[str, asyncio.Task] = {}
+        # a decode call waiting for its KV leaves its extend here; the import runs it in the same
+        # engine-thread call, before the batch loop's next step can take the thread (a step lost)
+        self._extend_on_import: dict[str, Callable[[Sequence], None]] = {}
         self._t_prepare: dict[str, float] = {}
         self._calls: dict[str, int] = {}  # router calls in progress per request
         self._touched: dict[str, float] = {}  # last router activity per request
@@ -157,7 +160,13 @@ class MainDecode:
             got = await self.flight.wait_complete(request_id, self.cfg.real_s(self.cfg.flight.deadline_s))
             # joining the received runs copies the whole delta: on the engine thread, not the event
             # loop; the Flight server verified every block's CRC on arrival, once per hop is enough
-            await self.worker.call(lambda: self.engine.import_kv(seq, got.blocks, verify=not self.flight.verify_checksums))
+            def load() -> None:
+                self.engine.import_kv(seq, got.blocks, verify=not self.flight.verify_checksums)
+                then = self._extend_on_import.pop(request_id, None)
+                if then is not None:
+                    then(seq)
+
+            await self.worker.call(load)
             return KVReady(True, got.bytes_received, got.seconds)
         except Exception as e:  # a broken transfer is reported, the router falls back
             return KVReady(False, error=f"{type(e).__name__}: {e}")
@@ -182,12 +191,29 @@ class MainDecode:
         self._calls[request_id] = self._calls.get(request_id, 0) + 1  # decoding: never an orphan
         try:
             t0 = time.perf_counter()
-            seq = await self._ready(request_id, timeout_s)
-            have = len(seq.output_ids)
-            if seq.output_ids != list(committed[:have]):
-                raise MDRequestError(f"{request_id}: MD holds tokens that differ from the committed stream")
-            t1 = time.perf_counter()
-            tok = await self.worker.call(self.engine.extend, seq, list(committed[have:]))
+            first: list = []  # (extend start, token or error) once the import ran the extend
+
+            def extend_on_import(seq: Sequence) -> None:  # on the engine thread, right after the import
+                t = time.perf_counter()
+                try:
+                    first.append((t, self._extend_committed(seq, committed)))
+                except Exception as e:  # noqa: BLE001 - raised below, on this call's path
+                    first.append((t, e))
+
+            self._extend_on_import[request_id] = extend_on_import
+            try:
+                seq = await self._ready(request_id, timeout_s)
+            finally:
+                waiting = self._extend_on_import.pop(request_id, None) is not None
+            if waiting:  # the KV was already in (or came by another path): extend now
+                t1 = time.perf_counter()
+                tok = await self.worker.call(self._extend_committed, seq, committed)
+            else:
+                if not first:  # the import took it and is running it on the engine thread now
+                    await self.worker.call(lambda: None)  # (one thread, FIFO: done after this)
+                t1, tok = first[0]
+                if isinstance(tok, BaseException):
+                    raise tok
             ts = self.cfg.time_scale  # reported in emulated seconds
             timings = {"md_kv_wait_s": (t1 - t0) / ts, "md_step_s": (time.perf_counter() - t1) / ts}
             if seq.finish_reason is not None:
@@ -205,6 +231,13 @@ class MainDecode:
             await self._drop(request_id, cache=final is not None)
         if final is not None:  # released first: the last chunk leaves nothing behind
             yield final
+
+    def _extend_committed(self, seq: Sequence, committed: list[int]) -> int:
+        """On the engine thread: extend over the committed tokens MD lacks and sample the next."""
+        have = len(seq.output_ids)
+        if seq.output_ids != list(committed[:have]):
+            raise MDRequestError(f"{seq.request_id}: MD holds tokens that differ from the committed stream")
+        return self.engine.extend(seq, list(committed[have:]))
 
     async def absorb(self, request_id: str, output_ids: list[int], timeout_s: float) -> bool:
         """The relay finished a request before the handoff: build the output's KV anyway so MD's
