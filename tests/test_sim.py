@@ -305,6 +305,25 @@ def test_validate_synthetic_records(tmp_path: Path) -> None:
     assert main([str(tmp_path / "missing.parquet")]) == 2
 
 
+class _Clock:
+    """The simulation's event clock, as SharedPacer uses it (`now`, `at`), run to the end."""
+
+    now = 0.0
+
+    def __init__(self) -> None:
+        self.ev: list[tuple[float, Any, tuple]] = []
+
+    def at(self, t: float, fn: Any, *args: Any) -> None:
+        self.ev.append((t, fn, args))
+        self.ev.sort(key=lambda e: e[0])
+
+    def run(self) -> None:
+        while self.ev:
+            t, fn, args = self.ev.pop(0)
+            self.now = t
+            fn(*args)
+
+
 def test_shared_pacer_is_processor_sharing() -> None:
     """pdd_serve's per-Prefill pacer interleaves concurrent streams batch by batch: two equal flows
     started together both end when 2x the bytes have crossed, and a small flow joining a big one
@@ -312,23 +331,7 @@ def test_shared_pacer_is_processor_sharing() -> None:
     from evaluations.sim.simulator import SharedPacer
     from pdd_serve.transport.link import LinkModel
 
-    class Clock:
-        now = 0.0
-
-        def __init__(self) -> None:
-            self.ev: list[tuple[float, Any, tuple]] = []
-
-        def at(self, t: float, fn: Any, *args: Any) -> None:
-            self.ev.append((t, fn, args))
-            self.ev.sort(key=lambda e: e[0])
-
-        def run(self) -> None:
-            while self.ev:
-                t, fn, args = self.ev.pop(0)
-                self.now = t
-                fn(*args)
-
-    sim = Clock()
+    sim = _Clock()
     pacer = SharedPacer(sim, LinkModel(bandwidth_bps=8e6))  # type: ignore[arg-type]
     done: dict[str, float] = {}
     pacer.add(1, 1_000_000, lambda t: done.__setitem__("a", t))
@@ -345,23 +348,7 @@ def test_shared_pacer_shares_the_line_per_stream() -> None:
     from evaluations.sim.simulator import SharedPacer
     from pdd_serve.transport.link import LinkModel
 
-    class Clock:
-        now = 0.0
-
-        def __init__(self) -> None:
-            self.ev: list[tuple[float, Any, tuple]] = []
-
-        def at(self, t: float, fn: Any, *args: Any) -> None:
-            self.ev.append((t, fn, args))
-            self.ev.sort(key=lambda e: e[0])
-
-        def run(self) -> None:
-            while self.ev:
-                t, fn, args = self.ev.pop(0)
-                self.now = t
-                fn(*args)
-
-    sim = Clock()
+    sim = _Clock()
     pacer = SharedPacer(sim, LinkModel(bandwidth_bps=8e6), streams=2, unit_bytes=100_000)  # type: ignore[arg-type]
     assert (pacer.streams_for(1), pacer.streams_for(100_000), pacer.streams_for(100_001)) == (1, 1, 2)
     done: dict[str, float] = {}
