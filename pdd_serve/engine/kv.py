@@ -185,6 +185,33 @@ class KVBlocks:
                         self.checksums[lo:hi], ntok)
 
 
+def tokens_to_blocks(layout: KVLayout, kv: torch.Tensor, hashes: list[int], start_block: int,
+                     num_tokens: int) -> KVBlocks:
+    """Token-major KV `[tokens, layers, 2, kv_heads, head_dim]` (tokens from `start_block`'s first)
+    as PDD's blocks: how an engine that keeps its own cache layout (vLLM) exports."""
+    bs, n = layout.block_size, len(hashes)
+    if not 0 < num_tokens <= n * bs or kv.shape[0] < num_tokens or tuple(kv.shape[1:]) != (
+            layout.num_layers, 2, layout.num_kv_heads, layout.head_dim):
+        raise KVError(f"{tuple(kv.shape)} token-major KV does not fill {num_tokens} tokens of {n} {layout} blocks")
+    out = torch.zeros((n * bs, *kv.shape[1:]), dtype=layout.torch_dtype)
+    out[:num_tokens] = kv[:num_tokens]
+    t = out.view(n, bs, *kv.shape[1:]).permute(0, 2, 3, 1, 4, 5).contiguous()  # -> [n, L, 2, bs, h, d]
+    if layout.dtype == "bfloat16":
+        t = t.view(torch.uint16)
+    return KVBlocks(layout, start_block, t.numpy(), list(hashes), num_tokens=num_tokens)
+
+
+def blocks_to_tokens(blocks: KVBlocks) -> torch.Tensor:
+    """`tokens_to_blocks` undone: the run's valid tokens as `[tokens, layers, 2, kv_heads, head_dim]`."""
+    with warnings.catch_warnings():  # read-only object-store/Arrow views: we only read them
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(blocks.data)
+    if blocks.layout.dtype == "bfloat16":
+        t = t.view(torch.bfloat16)
+    n, layers, _, bs, heads, dim = t.shape
+    return t.permute(0, 3, 1, 2, 4, 5).reshape(n * bs, layers, 2, heads, dim)[: blocks.num_tokens].clone()
+
+
 def concat_blocks(runs: list[KVBlocks]) -> KVBlocks:
     """Join consecutive runs (as received in pieces) into one."""
     if not runs:
