@@ -98,7 +98,14 @@ through the OpenAI-compatible API, print what PDD did per pipeline, and tear eve
 
 
 def _add_demo(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--graph", default="graphs/pdd.yaml", help="Serve config to deploy (default: %(default)s)")
+    p.add_argument("--backend", choices=("torch", "vllm"), default="torch",
+                   help="torch (default): our engine, the agentic workload below. vllm: vLLM behind every "
+                        "engine (graphs/pdd_vllm.yaml; pip install -e '.[vllm]'), %(prog)s streams --requests "
+                        "requests at once through P-MD and P-RLD-MD (one-shot and catch-up) and checks every "
+                        "token against vLLM's own single-engine greedy generate")
+    p.add_argument("--graph", default=None,
+                   help="Serve config to deploy (default: graphs/pdd.yaml; with --backend vllm graphs/pdd_vllm.yaml)")
+    p.add_argument("--requests", type=int, default=18, help="--backend vllm: requests in flight at once (default: %(default)s)")
     p.add_argument("--sessions", type=int, default=4, help="agentic sessions (default: %(default)s)")
     p.add_argument("--turns", type=int, default=3, help="turns per session (default: %(default)s)")
     p.add_argument("--keep", action="store_true", help="leave the cluster serving afterwards (pdd cluster down stops it)")
@@ -111,8 +118,14 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     if args.sessions <= 0 or args.turns <= 0:
         raise _usage("pdd demo: error: --sessions and --turns must be > 0")
+    if args.requests < 3:
+        raise _usage("pdd demo: error: --requests must be >= 3 (one per pipeline and handoff mode)")
     try:
-        return run_demo(args.graph, keep=args.keep, sessions=args.sessions, turns=args.turns)
+        if args.backend == "vllm":
+            from evaluations.vllm_demo import run_vllm_demo
+
+            return run_vllm_demo(args.graph or "graphs/pdd_vllm.yaml", requests=args.requests, keep=args.keep)
+        return run_demo(args.graph or "graphs/pdd.yaml", keep=args.keep, sessions=args.sessions, turns=args.turns)
     except (DemoError, ClusterError) as e:
         print(f"pdd demo: {e}", file=sys.stderr)
         return 1

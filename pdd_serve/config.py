@@ -40,10 +40,13 @@ class ModelConfig:
     # float32: every op whose result depends on the kernel (and so on the batch) in float64, rounded
     # once, so greedy tokens never depend on batching or chunking (the master invariant); ~2x CPU prefill
     batch_invariant: bool = True
+    backend: str = "torch"  # torch: our engine (the reference) | vllm: vLLM (pip install -e '.[vllm]')
+    vllm: Any = ()  # backend vllm: vLLM engine arguments passed through ({max_num_seqs: 64, ...})
 
     def __post_init__(self) -> None:
         _require(isinstance(self.device, str) and (self.device == "cpu" or self.device.startswith("cuda")),
                  f"model.device must be cpu or cuda[:N], got {self.device!r}")
+        _check_backend(self, "model.")
         _require(self.dtype in (None, "float32", "float16", "bfloat16"), f"model.dtype must be float32|float16|bfloat16, got {self.dtype!r}")
         _require(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, f"model.block_size must be a power of two, got {self.block_size}")
         _require(self.kv_cache_bytes > 0, "model.kv_cache_bytes must be > 0")
@@ -62,6 +65,36 @@ class ModelConfig:
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+BACKENDS = ("torch", "vllm")
+
+
+def _check_backend(cfg: Any, where: str) -> None:
+    """`backend` names an engine; `vllm` is a mapping of real vLLM engine arguments (checked against
+    vLLM's own `EngineArgs`, so a typo fails at load, naming the field), frozen as sorted pairs."""
+    _require(cfg.backend is None or cfg.backend in BACKENDS,
+             f"{where}backend must be one of {', '.join(BACKENDS)}, got {cfg.backend!r}")
+    args = cfg.vllm
+    if args is None:
+        return
+    if isinstance(args, dict):
+        args = tuple(sorted(args.items()))
+    _require(isinstance(args, tuple) and all(isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], str)
+                                             for a in args),
+             f"{where}vllm must be a mapping of vLLM engine arguments, got {cfg.vllm!r}")
+    object.__setattr__(cfg, "vllm", args)
+    if args and cfg.backend == "torch":
+        raise ConfigError(f"{where}vllm sets vLLM engine arguments but {where}backend is torch: set backend: vllm")
+    if args or cfg.backend == "vllm":
+        try:
+            from pdd_serve.engine.vllm_engine import check_engine_args
+            check_engine_args(dict(args))
+        except ImportError:
+            raise ConfigError(f"{where}backend vllm needs vLLM installed: pip install -e '.[vllm]' "
+                              "(CPU: see the README's vLLM section)") from None
+        except ValueError as e:
+            raise ConfigError(f"{where}{e}") from None
 
 
 # `model` keys an `engines:` entry may not change, and why: every engine must agree on them.
@@ -87,8 +120,12 @@ class EngineOverrides:
     kv_cache_bytes: int | None = None
     prefix_cache_bytes: int | None = None
     threads: int | None = None
+    backend: str | None = None  # torch | vllm
+    vllm: Any = None  # vLLM engine arguments (replace model.vllm's)
 
     def __post_init__(self) -> None:
+        if self.backend is not None or self.vllm is not None:
+            _check_backend(self, "")
         _require(self.device is None or (isinstance(self.device, str)
                                          and (self.device == "cpu" or self.device.startswith("cuda"))),
                  f"device must be cpu or cuda[:N], got {self.device!r}")

@@ -109,7 +109,8 @@ class VllmEngine:
 
     def __init__(self, path: str | Path, *, block_size: int = 16, dtype: str = "float32",
                  kv_cache_bytes: int = 256 << 20, enable_prefix_cache: bool = True,
-                 engine_args: dict | None = None) -> None:
+                 engine_args: dict | None = None, connector: bool = True) -> None:
+        """`connector=False`: plain vLLM, no KV in or out (the single-engine reference)."""
         vllm = _vllm()
         from vllm.config import KVTransferConfig
         from vllm.engine.arg_utils import EngineArgs
@@ -132,12 +133,9 @@ class VllmEngine:
             max_num_seqs=64, seed=0,
         )
         kw.update(extra)
-        kw.update(
-            skip_tokenizer_init=True, enable_prefix_caching=enable_prefix_cache,
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="PDDConnector", kv_connector_module_path=vllm_connector.__name__,
-                kv_role="kv_both", kv_connector_extra_config={"store": self._key}),
-        )
+        kw.update(skip_tokenizer_init=True, enable_prefix_caching=enable_prefix_cache, kv_transfer_config=KVTransferConfig(
+            kv_connector="PDDConnector", kv_connector_module_path=vllm_connector.__name__,
+            kv_role="kv_both", kv_connector_extra_config={"store": self._key}) if connector else None)
         if kw["block_size"] != VLLM_BLOCK_SIZE:
             raise ValueError(f"vllm.block_size is {VLLM_BLOCK_SIZE} for this backend")
         self.max_model_len = int(kw["max_model_len"])

@@ -45,10 +45,24 @@ def load_engine(model: ModelConfig, enable_prefix_cache: bool = True, threads: i
             logger.warning("emulated KV capacity %d tokens (%s) exceeds the real pool (kv_cache_bytes %d): "
                            "admission sees the real pool's %d tokens", emulation.kv_capacity_tokens,
                            emulation.label(), kv_bytes, kv_bytes // real)
-    engine = Engine.from_pretrained(
-        path, device=model.device, dtype=model.dtype, block_size=model.block_size,
-        batch_invariant=model.batch_invariant, kv_cache_bytes=kv_bytes, prefix_cache_bytes=prefix_bytes, enable_prefix_cache=enable_prefix_cache,
-    )
+    engine: EngineBackend
+    if model.backend == "vllm":
+        import os
+
+        from pdd_serve.engine.vllm_engine import VllmEngine
+
+        # each replica keeps to its thread budget (vLLM's "auto" binds every core to every replica)
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        engine = VllmEngine(path, block_size=model.block_size, dtype=model.kv_dtype, kv_cache_bytes=kv_bytes,
+                            enable_prefix_cache=enable_prefix_cache,
+                            engine_args={"max_model_len": model.max_model_len, **dict(model.vllm)}
+                            if model.max_model_len else dict(model.vllm))
+    else:
+        engine = Engine.from_pretrained(
+            path, device=model.device, dtype=model.dtype, block_size=model.block_size,
+            batch_invariant=model.batch_invariant, kv_cache_bytes=kv_bytes, prefix_cache_bytes=prefix_bytes,
+            enable_prefix_cache=enable_prefix_cache,
+        )
     engine.warmup()
     if emulation is not None:  # pacing sits above the engine seam; after warmup: its costs are not the chip's
         return PacedEngine(engine, StepPacer(emulation))

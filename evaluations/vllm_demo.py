@@ -1,0 +1,161 @@
+"""`pdd demo --backend vllm`: the PDD graph with vLLM behind Prefill, Relay and Main decode
+(graphs/pdd_vllm.yaml), checked against vLLM's own single-engine greedy generate.
+
+Deploys the graph on the local two-site cluster, streams requests all at once through P-MD and
+P-RLD-MD in both handoff modes (so vLLM's chunked prefill and decode mix in its batches), and
+compares every stream with one plain vLLM engine (no connector) that ran the same prompts, all in
+flight together. Agreement with our torch engine is reported, not required (kernels differ).
+Ends with a table and one JSON line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from evaluations.demo import _exposing_cache_hits
+from pdd_serve.cluster import LocalClusterConfig, cluster_down, cluster_up, driver_env
+from pdd_serve.config import ConfigError, load_graph_yaml
+from pdd_serve.demo import DemoError, deploy_graph, shutdown_serve
+
+PATHS = ({"pipeline": "P-MD"}, {"pipeline": "P-RLD-MD", "handoff_mode": "one-shot"},
+         {"pipeline": "P-RLD-MD", "handoff_mode": "catch-up"})
+
+
+def jobs(n: int, seed: int = 0, vocab: int = 2048) -> list[tuple[list[int], int, dict]]:
+    """n cold prompts (200-1100 tokens), 96-160 output tokens each, cycling through PATHS. Long
+    enough that the relay is still decoding when the prompt's KV has crossed the slow line."""
+    rng = random.Random(seed)
+    return [([rng.randrange(3, vocab) for _ in range(rng.randrange(200, 1100))], 96 + 32 * (i % 3), PATHS[i % 3])
+            for i in range(n)]
+
+
+async def _stream(client: Any, url: str, prompt: list[int], n: int, pdd: dict) -> tuple[list[int], dict, str | None]:
+    body = {"model": "pdd-small", "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
+            "return_token_ids": True, "ignore_eos": True, "pdd": pdd}
+    ids: list[int] = []
+    info: dict = {}
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+            if r.status_code != 200:
+                return ids, info, f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    obj = json.loads(line[6:])
+                    if obj.get("choices"):
+                        ids += obj["choices"][0].get("token_ids", [])
+                    info = obj.get("pdd", info)
+    except Exception as e:  # noqa: BLE001 - reported per request
+        return ids, info, f"{type(e).__name__}: {e}"
+    return ids, info, None
+
+
+async def _drive(url: str, work: list[tuple[list[int], int, dict]]) -> list[tuple[list[int], dict, str | None]]:
+    import httpx
+
+    async with httpx.AsyncClient() as client:
+        return await asyncio.gather(*(_stream(client, url, p, n, d) for p, n, d in work))
+
+
+def references(model_path: str, work: list[tuple[list[int], int, dict]]) -> tuple[list[list[int]], list[list[int]]]:
+    """(vLLM's single-engine greedy output, our torch engine's) for every job, all prompts in flight
+    at once in the one engine."""
+    from pdd_serve.engine.engine import Engine
+    from pdd_serve.engine.sampling import SamplingParams
+    from pdd_serve.engine.vllm_engine import VllmEngine
+
+    prompts = [p for p, _, _ in work]
+    params = [SamplingParams(n, ignore_eos=True) for _, n, _ in work]
+    ref = VllmEngine(model_path, connector=False, engine_args={"max_num_seqs": 64})
+    vllm_out = ref.generate_batch(prompts, params)
+    torch_out = Engine.from_pretrained(model_path).generate_batch(prompts, params)
+    return vllm_out, torch_out
+
+
+def handoff_bytes(n_tokens: int, vocab: int) -> int:
+    """Bytes of a handoff of n token ids as Ray serializes the call, plus Serve's request metadata."""
+    from evaluations.bench_transport import handoff_message
+
+    return handoff_message(n_tokens, vocab)["total"]
+
+
+def run_vllm_demo(graph: str = "graphs/pdd_vllm.yaml", requests: int = 18, keep: bool = False,
+                  log: Any = print) -> int:
+    path = Path(graph)
+    if not path.is_file():
+        raise DemoError(f"{graph} not found: run from the repository root or pass --graph PATH")
+    try:
+        cfg = load_graph_yaml(path)
+    except ConfigError as e:
+        raise DemoError(str(e)) from None
+    backends = {cfg.engine_for(r).backend for r in ("prefill", "relay", "main_decode")}
+    if backends != {"vllm"}:
+        raise DemoError(f"{graph} runs backend(s) {sorted(backends)}: --backend vllm needs backend: vllm on every engine")
+    from pdd_serve.engine.model import ModelArgs
+    from pdd_serve.models import resolve_model
+
+    model = str(resolve_model(cfg.model.path))
+    margs = ModelArgs.from_checkpoint(model)
+    work = jobs(requests, vocab=margs.vocab_size)
+    log(f"reference: {requests} prompts in flight at once in one plain vLLM engine (and our torch engine) ...")
+    t0 = time.monotonic()
+    ref_vllm, ref_torch = references(model, work)
+    log(f"  done in {time.monotonic() - t0:.0f} s")
+    ccfg = LocalClusterConfig()
+    log("starting the local two-site cluster (site a: prefill + relay, site b: main decode) ...")
+    cluster_up(ccfg, log=log)
+    env = driver_env(ccfg)
+    try:
+        url = deploy_graph(_exposing_cache_hits(path), env, log=log)
+        log(f"streaming {requests} requests at once: {', '.join(json.dumps(p) for p in PATHS)} in turn")
+        t0 = time.monotonic()
+        results = asyncio.run(_drive(url, work))
+        wall = time.monotonic() - t0
+        if keep:
+            log(f"\nleft serving at {url}; stop with: pdd cluster down")
+    finally:
+        if not keep:
+            shutdown_serve(env)
+            cluster_down(ccfg)
+            log("cluster torn down")
+
+    bpt = 2 * margs.num_layers * margs.num_kv_heads * margs.head_dim * 4  # float32 KV bytes per token
+    rows = []
+    for (prompt, _n, want), (ids, info, err), rv, rt in zip(work, results, ref_vllm, ref_torch):
+        mode = info.get("handoff_mode", "none")
+        handed = info.get("eager_tokens", 0) if mode != "none" else 0
+        rows.append({"pipeline": info.get("pipeline", "?"), "want": want, "handoff_mode": mode, "prompt": len(prompt),
+                     "tokens": len(ids), "identical": ids == rv, "torch_identical": ids == rt, "error": err,
+                     "eager": info.get("eager_tokens", 0), "batches": info.get("handoff_batches", 0),
+                     "wan_bytes": info.get("wan_bytes", 0), "handed": handed})
+    print(f"\n{'#':>3} {'pipeline':<9}{'mode':<10}{'prompt':>7}{'tokens':>7}{'eager':>6}{'batches':>8}"
+          f"{'WAN KB':>8}  vs vLLM  vs torch")
+    for i, r in enumerate(rows):
+        print(f"{i:>3} {r['pipeline']:<9}{r['handoff_mode']:<10}{r['prompt']:>7}{r['tokens']:>7}{r['eager']:>6}"
+              f"{r['batches']:>8}{r['wan_bytes'] / 1e3:>8.0f}  {'same' if r['identical'] else 'DIFF':<8} "
+              f"{'same' if r['torch_identical'] else 'diff'}{'  ' + r['error'] if r['error'] else ''}")
+    handoffs = [r for r in rows if r["handed"]]
+    hand_b = sum(handoff_bytes(r["handed"], margs.vocab_size) for r in handoffs)
+    hand_kv = sum(r["handed"] * bpt for r in handoffs)
+    out = {
+        "demo": "vllm", "backend": "vllm", "reference": "vllm", "dtype": "float32",
+        "concurrent_requests": len(rows),
+        "handoff_modes": sorted({r["handoff_mode"] for r in rows} - {"none"}),
+        "outputs_identical": all(r["identical"] and not r["error"] for r in rows),
+        "mismatches": sum(not r["identical"] for r in rows),
+        "agree_with_torch_engine": sum(r["torch_identical"] for r in rows),
+        "pipelines": dict(Counter(r["pipeline"] for r in rows)),
+        "pipelines_as_asked": sum(r["pipeline"] == r["want"]["pipeline"] for r in rows),
+        "handoff_payload_ratio": hand_b / hand_kv if hand_kv else None,
+        "handoff_bytes": hand_b, "handoff_kv_bytes": hand_kv,
+        "kv_bytes_cross_site": sum(r["wan_bytes"] for r in rows),
+        "errors": sum(1 for r in rows if r["error"]), "wall_s": round(wall, 1),
+        "graph": str(graph),
+    }
+    print(json.dumps(out))
+    return 0 if out["outputs_identical"] else 1
