@@ -333,3 +333,36 @@ def test_a_tokens_logits_do_not_depend_on_its_batch_or_its_prefill_chunks(model_
     kv_chunks, _ = kv_after(toks[:n], 48, 0)
     for other in (kv_one, kv_chunks):
         assert other.data.shape == kv_dec.data.shape and (other.data == kv_dec.data).all()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_token_major_kv_round_trips_through_blocks(dtype):
+    """How an engine with its own cache layout (vLLM) exports: token-major KV cut into PDD's blocks
+    (a partial last block zero-padded) and back, bit for bit, in the layout our pool exports."""
+    from pdd_serve.engine.kv import KVLayout, blocks_to_tokens, tokens_to_blocks
+
+    layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=dtype)
+    kv = torch.randn(10, 3, 2, 2, 8).to(layout.torch_dtype)
+    blocks = tokens_to_blocks(layout, kv, [11, 12, 0], start_block=0, num_tokens=10)
+    assert blocks.num_blocks == 3 and blocks.num_tokens == 10
+    back = blocks_to_tokens(blocks)
+    assert torch.equal(back, kv)
+    # block b, layer l, K/V i, slot t is token b*4+t's [l, i]: our pool's block_shape order
+    data = torch.from_numpy(blocks.data)
+    if dtype == "bfloat16":
+        data = data.view(torch.bfloat16)
+    assert torch.equal(data[1, 2, 1, 3], kv[7, 2, 1])
+    assert not data[2, :, :, 2:].any()  # the partial block's empty slots
+    assert torch.equal(blocks_to_tokens(blocks.slice(1, 3)), kv[4:])
+    with pytest.raises(KVError):
+        tokens_to_blocks(layout, kv, [11, 12], start_block=0, num_tokens=10)  # 10 tokens in 2 blocks of 4
+
+
+def test_a_failed_engine_fails_its_replica_health_check(model_dir):
+    from pdd_serve.serve.common import check_engine
+
+    eng = Engine.from_pretrained(model_dir)
+    check_engine(eng)  # healthy: no error
+    eng.failed = "RuntimeError: boom"
+    with pytest.raises(RuntimeError, match="engine failed: RuntimeError: boom"):
+        check_engine(eng)

@@ -105,6 +105,7 @@ class Engine:
         self.num_preempted = 0  # sequences waiting to resume (they go before new admissions)
         self._decoding: dict[int, Sequence] = {}  # id -> sequence that `step` decodes: preemptible
         self.preemptions = 0  # total, for stats and tests
+        self.failed: str | None = None  # a request's error never breaks this engine (the seam's health)
         # told of every forward this engine runs (the seam's report, `protocol.ForwardWork`): an
         # emulated chip (`emulation.PacedEngine`) holds each call to the modeled time of that work
         self.on_forward: Callable[[ForwardWork], None] | None = None

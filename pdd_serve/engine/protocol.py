@@ -70,6 +70,10 @@ class EngineBackend(Protocol):
     cache: CacheView | None  # None: no prefix cache (no DRC)
     on_forward: Callable[[ForwardWork], None] | None
     preemptions: int  # requests preempted for lack of KV blocks, in total (stats)
+    # None while the engine can serve; else why it can't (a vLLM step that raised leaves vLLM's
+    # scheduler state undefined): each call then raises, and the replica's check_health tells Serve
+    # to replace it, so a broken engine fails requests over instead of decoding wrong tokens
+    failed: str | None
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             prompt_hashes: Iterable[int] | None = None) -> Sequence:

@@ -24,6 +24,7 @@ reads that layout, and `tests/test_vllm.py` checks it against our engine's KV, v
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from dataclasses import dataclass, field
@@ -64,6 +65,7 @@ class KVStore:
         self.saved: dict[str, torch.Tensor] = {}  # request -> KV copied out so far (token-major)
         self.loaded: dict[str, int] = {}  # request -> tokens vLLM took from its offer
         self.last_step = StepWork()  # the step the scheduler built last (for `ForwardWork`)
+        self.load_failures = 0  # loads that failed and were recomputed (stats, tests)
 
     def forget(self, req_id: str) -> None:
         for d in (self.offers, self.saved, self.loaded):
@@ -71,6 +73,7 @@ class KVStore:
         self.save.discard(req_id)
 
 
+logger = logging.getLogger("pdd_serve")
 _STORES: dict[str, KVStore] = {}
 _LOCK = threading.Lock()
 
@@ -151,6 +154,7 @@ class PDDConnector(KVConnectorBase_V1):
         self._blocks: dict[str, list[int]] = {}  # request -> its vLLM blocks (scheduler side)
         self._matched: dict[str, tuple[int, int]] = {}  # request -> (local hit tokens, external tokens)
         self._load: dict[str, tuple[int, int]] = {}  # request -> tokens to load in its next step
+        self._failed: set[int] = set()  # blocks whose load failed this step (worker side)
 
     # ------------------------------------------------------------ scheduler side
 
@@ -212,15 +216,30 @@ class PDDConnector(KVConnectorBase_V1):
         self._caches = [paged_view(t, self.head_dim) for _, t in ordered]
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        for op in meta.ops:
+        """Write each request's offered KV into its blocks. A load that fails (the offer gone or
+        short, a layout that does not fit) reports its blocks to vLLM, whose
+        `kv_load_failure_policy: recompute` computes them instead: slower, never a wrong token."""
+        bs = self.block_size
+        for op in self._get_connector_metadata().ops:
             if op.load is None:
                 continue
             start, end = op.load
-            src = self.store.offers[op.req_id][start:end]  # [tokens, layers, 2, heads, head_dim]
-            b, o = slots(op.block_ids, self.block_size, start, end)
-            for layer, view in enumerate(self._caches):
-                scatter(view, b, o, src[:, layer])
+            try:
+                src = self.store.offers[op.req_id][start:end]  # [tokens, layers, 2, heads, head_dim]
+                if src.shape[0] != end - start or src.shape[1] != len(self._caches):
+                    raise ValueError(f"offer holds {tuple(src.shape)} for tokens [{start}, {end})")
+                b, o = slots(op.block_ids, bs, start, end)
+                for layer, view in enumerate(self._caches):
+                    scatter(view, b, o, src[:, layer])
+            except Exception as e:  # noqa: BLE001 - any failure: vLLM recomputes these blocks
+                logger.warning("PDDConnector: KV load of %s tokens [%d, %d) failed (%s: %s): vLLM recomputes them",
+                               op.req_id, start, end, type(e).__name__, e)
+                self._failed.update(op.block_ids[start // bs: -(-end // bs)])
+                self.store.load_failures += 1
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed = self._failed, set()
+        return failed
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads finish in start_load_kv, before the forward

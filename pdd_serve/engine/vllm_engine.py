@@ -135,7 +135,8 @@ class VllmEngine:
         kw.update(extra)
         kw.update(skip_tokenizer_init=True, enable_prefix_caching=enable_prefix_cache, kv_transfer_config=KVTransferConfig(
             kv_connector="PDDConnector", kv_connector_module_path=vllm_connector.__name__,
-            kv_role="kv_both", kv_connector_extra_config={"store": self._key}) if connector else None)
+            kv_role="kv_both", kv_connector_extra_config={"store": self._key},
+            kv_load_failure_policy="recompute") if connector else None)
         if kw["block_size"] != VLLM_BLOCK_SIZE:
             raise ValueError(f"vllm.block_size is {VLLM_BLOCK_SIZE} for this backend")
         self.max_model_len = int(kw["max_model_len"])
@@ -149,12 +150,17 @@ class VllmEngine:
         self.cache = None  # no DRC view over vLLM's prefix cache yet (module docstring)
         self.on_forward: Callable[[ForwardWork], None] | None = None
         self.preemptions = 0
+        self.failed: str | None = None
         self.stop_ids = frozenset(self.args.eos_token_ids)
         self._arrivals = itertools.count()
         self._submits = itertools.count()
         self._live: dict[int, _Live] = {}  # id(seq) -> its vLLM request
         self._by_ext: dict[str, Sequence] = {}
         self._held: dict[int, torch.Tensor] = {}  # id(seq) -> KV of its first num_computed tokens
+        # OpenMP's thread count is per calling thread, and vLLM's CPU attention checks that a step
+        # runs on as many threads as its metadata was planned for: every step uses the count the
+        # engine was built with, whichever thread (the replica's engine thread) calls it
+        self._threads = torch.get_num_threads()
 
     # ------------------------------------------------------------ vLLM internals we read (stats only)
 
@@ -311,6 +317,7 @@ class VllmEngine:
             raise RuntimeError(f"{seq.request_id}: nothing left to generate")
         if seq.num_computed >= len(seq.token_ids):
             raise RuntimeError(f"{seq.request_id}: no pending token to compute")
+        self._check()
         p = seq.params
         vp = VParams(max_tokens=max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                      seed=p.seed, ignore_eos=True, detokenize=False, output_kind=RequestOutputKind.DELTA)
@@ -327,6 +334,11 @@ class VllmEngine:
         live = self._live[id(seq)] = _Live(ext, rid)
         self._by_ext[ext] = seq
         return live
+
+    def _check(self) -> None:
+        if self.failed is not None:
+            raise RuntimeError(f"this replica's vLLM engine failed ({self.failed}): it serves nothing until "
+                               "Serve replaces it (check_health)")
 
     def _end(self, live: _Live) -> None:
         if not live.done:
@@ -354,8 +366,15 @@ class VllmEngine:
         return tok
 
     def _step_once(self) -> None:
+        self._check()
+        if torch.get_num_threads() != self._threads:
+            torch.set_num_threads(self._threads)
         t0 = time.perf_counter()
-        outs = self.llm.step()
+        try:
+            outs = self.llm.step()
+        except Exception as e:
+            self.failed = f"{type(e).__name__}: {e}"
+            raise
         real = time.perf_counter() - t0
         for out in outs:
             seq = self._by_ext.get(out.request_id)

@@ -70,6 +70,13 @@ def load_engine(model: ModelConfig, enable_prefix_cache: bool = True, threads: i
 
 
 
+def check_engine(engine: EngineBackend) -> None:
+    """A replica's `check_health`: an engine that can't serve any more (`failed`) makes Serve
+    replace the replica (its requests fail over: P retries, MD migrates by token ids)."""
+    if engine.failed is not None:
+        raise RuntimeError(f"engine failed: {engine.failed}")
+
+
 def emulation_stats(engine: EngineBackend) -> dict:
     """The pacer's per-step-kind counts (steps, overruns, modeled seconds) for a replica's stats."""
     p = getattr(engine, "pacer", None)  # a PacedEngine's

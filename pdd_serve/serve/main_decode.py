@@ -15,7 +15,7 @@ from pdd_serve.engine.engine import Sequence
 from pdd_serve.engine.kv import blocks_needed
 from pdd_serve.engine.scheduler import EngineWorker
 from pdd_serve.metrics import ReplicaGauges
-from pdd_serve.serve.common import emulation_stats, load_engine, logger, placement
+from pdd_serve.serve.common import check_engine, emulation_stats, load_engine, logger, placement
 from pdd_serve.serve.messages import GenRequest, KVReady, MDPrepareReply, MDView, ReplicaStats, TokenChunk
 from pdd_serve.serve.pinning import ROUTER_CLASS, ReplicaGone, check_pin, this_replica
 
@@ -282,6 +282,9 @@ class MainDecode:
             task.cancel()  # their requests get KVReady(ok=False) and are re-delivered by the router
         old.close()
         return self.flight.location
+
+    def check_health(self) -> None:  # Serve's health probe: a failed engine gets this replica replaced
+        check_engine(self.engine)
 
     def stats(self) -> ReplicaStats:
         e = self.engine

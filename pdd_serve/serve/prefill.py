@@ -19,7 +19,7 @@ from pdd_serve.engine.engine import Sequence
 from pdd_serve.engine.kv import KVBlocks, PoolFullError, blocks_needed, num_full_blocks
 from pdd_serve.engine.scheduler import EngineWorker
 from pdd_serve.policy import prefill_admits, wan_backlog
-from pdd_serve.serve.common import emulation_stats, load_engine, logger, placement
+from pdd_serve.serve.common import check_engine, emulation_stats, load_engine, logger, placement
 from pdd_serve.serve.messages import (
     GenRequest,
     KVTarget,
@@ -374,6 +374,9 @@ class Prefill:
     def _take_fault(self, kind: str) -> tuple[str, float] | None:
         pending = self.faults.get(kind)
         return pending.pop() if pending else None
+
+    def check_health(self) -> None:  # Serve's health probe: a failed engine gets this replica replaced
+        check_engine(self.engine)
 
     def stats(self) -> ReplicaStats:
         e = self.engine

@@ -15,7 +15,7 @@ from ray import serve
 from pdd_serve.config import PDDConfig
 from pdd_serve.engine.scheduler import EngineWorker
 from pdd_serve.metrics import ReplicaGauges
-from pdd_serve.serve.common import emulation_stats, load_engine, logger, placement
+from pdd_serve.serve.common import check_engine, emulation_stats, load_engine, logger, placement
 from pdd_serve.serve.messages import RelayRequest, RelaySaturated, ReplicaStats, TokenChunk
 from pdd_serve.serve.pinning import ROUTER_CLASS
 
@@ -147,6 +147,9 @@ class Relay:
             if self.die_after <= 0:
                 logger.warning("injected fault: relay replica exits mid-stream")
                 os._exit(1)
+
+    def check_health(self) -> None:  # Serve's health probe: a failed engine gets this replica replaced
+        check_engine(self.engine)
 
     def stats(self) -> ReplicaStats:
         e = self.engine
