@@ -4,6 +4,7 @@ soak use these."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -41,6 +42,7 @@ def deploy_graph(path: Path, env: dict[str, str], timeout_s: float = 600.0, log:
                           capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
         raise DemoError(f"serve run {path} failed:\n{proc.stderr[-3000:]}")
+    checked = time.monotonic()
     while time.monotonic() - t < timeout_s:
         try:
             if httpx.get(f"{url}/health", timeout=5).status_code == 200:
@@ -48,8 +50,38 @@ def deploy_graph(path: Path, env: dict[str, str], timeout_s: float = 600.0, log:
                 return url
         except httpx.HTTPError:
             pass
+        if time.monotonic() - checked > 10:  # a replica that can't start (a model its engine can't
+            checked = time.monotonic()      # load) fails the deploy with its reason, not a long wait
+            failed = deploy_failures(serve_status(env))
+            if failed:
+                raise DemoError(f"deploying {path} failed:\n" + "\n".join(failed))
         time.sleep(1.0)
     raise DemoError(f"{path} did not become healthy within {timeout_s:.0f}s; see `serve status` and the ray logs")
+
+
+def serve_status(env: dict[str, str], timeout_s: float = 60.0) -> dict:
+    """Serve's application and deployment statuses, through a driver (no dashboard needed)."""
+    code = ("import json, ray; from ray import serve; ray.init(logging_level='error'); st = serve.status(); "
+            "print(json.dumps({n: {'status': str(a.status), 'message': a.message, 'deployments': "
+            "{d: {'status': str(x.status), 'message': x.message} for d, x in a.deployments.items()}} "
+            "for n, a in st.applications.items()}))")
+    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=timeout_s)
+    if proc.returncode != 0:
+        return {}
+    return json.loads(proc.stdout.strip().splitlines()[-1] or "{}")
+
+
+def deploy_failures(status: dict) -> list[str]:
+    """'app/deployment: message' for every deployment Serve gave up on (DEPLOY_FAILED)."""
+    out = []
+    for app, a in status.items():
+        for name, d in (a.get("deployments") or {}).items():
+            if "DEPLOY_FAILED" in d.get("status", ""):
+                out.append(f"{app}/{name}: {d.get('message', '')[-2000:]}")
+        if "DEPLOY_FAILED" in a.get("status", "") and not out:
+            out.append(f"{app}: {a.get('message', '')[-2000:]}")
+    return out
 
 
 def shutdown_serve(env: dict[str, str], timeout_s: float = 120.0) -> None:

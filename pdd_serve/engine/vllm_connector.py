@@ -94,9 +94,12 @@ def drop_store(key: str) -> None:
 def paged_view(cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's CPU-attention cache as (K `[blocks, kv_heads, head_dim, block_size]`, V `[blocks,
     kv_heads, block_size, head_dim]`): per (block, head), K is stored transposed, then V."""
-    nb, heads, bs, c = cache.shape
-    if c != 2 * head_dim:
-        raise ValueError(f"vLLM cache {tuple(cache.shape)} is not [blocks, heads, block_size, 2 * {head_dim}]")
+    if cache.dim() != 4 or cache.shape[3] != 2 * head_dim:
+        # GPU backends keep other layouts (FlashAttention: [2, blocks, block_size, heads, head_dim]);
+        # reading one unchecked would move wrong KV, so refuse it until it is mapped and tested
+        raise ValueError(f"PDDConnector reads vLLM's CPU attention cache [blocks, kv_heads, block_size, "
+                         f"2 * {head_dim}]; this one is {tuple(cache.shape)} (another attention backend)")
+    nb, heads, bs, _ = cache.shape
     halves = cache.view(nb, heads, 2, bs * head_dim)
     return halves[:, :, 0].view(nb, heads, head_dim, bs), halves[:, :, 1].view(nb, heads, bs, head_dim)
 

@@ -53,6 +53,7 @@ def load_engine(model: ModelConfig, enable_prefix_cache: bool = True, threads: i
 
         # each replica keeps to its thread budget (vLLM's "auto" binds every core to every replica)
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's per-engine INFO lines drown the graph's
         engine = VllmEngine(path, block_size=model.block_size, dtype=model.kv_dtype, kv_cache_bytes=kv_bytes,
                             enable_prefix_cache=enable_prefix_cache,
                             engine_args={"max_model_len": model.max_model_len, **dict(model.vllm)}
