@@ -79,6 +79,23 @@ class Sequence:
         return self.finish_reason is not None
 
 
+def check_import(seq: Sequence, blocks: KVBlocks, block_size: int) -> int:
+    """Received blocks must continue the sequence's computed KV (block-aligned) and carry the hash
+    chain of its own tokens, so KV can only be imported into the request whose tokens produced it.
+    Returns the computed length after the import. (Every engine behind the seam checks the same.)"""
+    bs = block_size
+    if seq.num_computed % bs or blocks.start_block != seq.num_computed // bs:
+        raise KVError(f"{seq.request_id}: received blocks start at {blocks.start_block} but "
+                      f"{seq.num_computed} tokens are computed")
+    end = seq.num_computed + blocks.num_tokens
+    if end > len(seq.token_ids):
+        raise KVError(f"{seq.request_id}: received KV for {end} tokens, the request has {len(seq.token_ids)}")
+    expect = seq.chain(bs, end)[blocks.start_block :]
+    if [h for h in blocks.hashes if h][: len(expect)] != expect:
+        raise KVError(f"{seq.request_id}: received KV blocks do not belong to this request's tokens")
+    return end
+
+
 def _default_dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
 
@@ -439,17 +456,7 @@ class Engine:
         """Load received blocks that continue the sequence's computed KV (block-aligned).
         The hash chain is checked against the sequence's own tokens, so KV can only be
         imported into the request whose tokens produced it."""
-        bs = self.block_size
-        if seq.num_computed % bs or blocks.start_block != seq.num_computed // bs:
-            raise KVError(f"{seq.request_id}: received blocks start at {blocks.start_block} but "
-                          f"{seq.num_computed} tokens are computed")
-        end = seq.num_computed + blocks.num_tokens
-        if end > len(seq.token_ids):
-            raise KVError(f"{seq.request_id}: received KV for {end} tokens, the request has {len(seq.token_ids)}")
-        expect = seq.chain(bs, end)[blocks.start_block :]
-        got = [h for h in blocks.hashes if h][: len(expect)]
-        if got != expect:
-            raise KVError(f"{seq.request_id}: received KV blocks do not belong to this request's tokens")
+        end = check_import(seq, blocks, self.block_size)
         if verify:
             blocks.verify()
         self._ensure_blocks(seq, end, preempt=True)

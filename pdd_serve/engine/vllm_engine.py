@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from pdd_serve.engine.engine import Sequence
+from pdd_serve.engine.engine import Sequence, check_import
 from pdd_serve.engine.kv import (
     KVBlocks,
     KVError,
@@ -285,15 +285,7 @@ class VllmEngine:
             raise KVError(f"KV layout {blocks.layout} does not match this engine's {self.layout}")
         if id(seq) in self._live:
             raise KVError(f"{seq.request_id}: KV import into a request vLLM is already running")
-        if seq.num_computed % bs or blocks.start_block != seq.num_computed // bs:
-            raise KVError(f"{seq.request_id}: received blocks start at {blocks.start_block} but "
-                          f"{seq.num_computed} tokens are computed")
-        end = seq.num_computed + blocks.num_tokens
-        if end > len(seq.token_ids):
-            raise KVError(f"{seq.request_id}: received KV for {end} tokens, the request has {len(seq.token_ids)}")
-        expect = seq.chain(bs, end)[blocks.start_block:]
-        if [h for h in blocks.hashes if h][: len(expect)] != expect:
-            raise KVError(f"{seq.request_id}: received KV blocks do not belong to this request's tokens")
+        end = check_import(seq, blocks, bs)
         if verify:
             blocks.verify()
         new = blocks_to_tokens(blocks)
