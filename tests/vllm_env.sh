@@ -22,7 +22,7 @@ install() {
 }
 case "${1:-}" in
   install) install; exit "$(cat "$VENV.rc")" ;;
-  install-bg) (install &) ; echo "installing vLLM into $VENV in the background (log: $VENV.log)" ;;
+  install-bg) rm -f "$VENV.rc"; (install &) ; echo "installing vLLM into $VENV in the background (log: $VENV.log)" ;;
   test)
     for _ in $(seq 1 1800); do [ -f "$VENV.rc" ] && break; sleep 1; done
     rc=$(cat "$VENV.rc" 2>/dev/null || echo timeout)
