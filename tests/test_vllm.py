@@ -161,7 +161,8 @@ def test_a_failed_kv_load_is_recomputed_not_wrong(veng):
     veng.import_kv(md2, kv)
     veng.append_tokens(md2, [first])
     live = veng._submit(md2, n - 1)
-    veng.store.offers[live.req_id] = veng.store.offers[live.req_id][:, :1]
+    first0, kv0 = veng.store.offers[live.req_id]
+    veng.store.offers[live.req_id] = (first0, kv0[:, :1])
     while not (md.finished and md2.finished):
         veng.step([s for s in (md, md2) if not s.finished])
     assert veng.store.load_failures == before + 1
@@ -230,6 +231,67 @@ def test_a_step_that_raises_fails_the_engine_not_a_token(veng, monkeypatch):
     veng.store.offers.clear()
     veng.store.save.clear()
     assert veng.generate(_prompt(12, 40), 4) and _idle(veng)
+
+
+# ---------------------------------------------------------------- main decode's DRC over vLLM's prefix cache
+
+
+def _stored(hashes, parent, tokens, extra=None):
+    from vllm.distributed.kv_events import BlockStored
+
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=32,
+                       lora_id=None, medium="GPU", lora_name=None, extra_keys=extra)
+
+
+def test_drc_view_maps_vllm_kv_events_to_pdd_hashes():
+    """vLLM's events, through its own wire encoding, into PDD's chain hashes: a chain stored in two
+    batches, a re-emitted store, a salted block and an orphan skipped, a removal, then a lost
+    batch, which clears the view (it may under-report, never claim what vLLM never stored)."""
+    import msgspec
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, KVEventBatch
+
+    from pdd_serve.engine.kv import block_hashes
+    from pdd_serve.engine.vllm_cache import VllmCacheView
+
+    toks = _prompt(40, 96)
+    ours = block_hashes(toks, 16)
+    view = VllmCacheView(16)
+    wire = msgspec.msgpack.Encoder()
+    dec = msgspec.msgpack.Decoder(type=KVEventBatch)
+
+    def send(seq, *events):
+        view.apply(seq, dec.decode(wire.encode(KVEventBatch(ts=0.0, events=list(events)))).events)
+
+    send(0, _stored([b"v0", b"v1"], None, toks[:64]))
+    send(1, _stored([b"v2"], b"v1", toks[64:96]), _stored([b"v1"], b"v0", toks[32:64]),  # v1 again
+         _stored([b"s0"], None, _prompt(41, 32), extra=[("salt",)]), _stored([b"o1"], b"nope", toks[:32]))
+    assert list(view.nodes) == ours and view.match(ours) == 6 and view.skipped_blocks == 2
+    assert view.stats.inserted_blocks == 6
+    send(2, BlockRemoved(block_hashes=[b"v1"], medium="GPU"))
+    assert view.match(ours) == 2 and view.num_blocks == 4 and view.stats.evicted_blocks == 2
+    send(3, AllBlocksCleared())
+    assert view.num_blocks == 0
+    send(4, _stored([b"v0"], None, toks[:32]))
+    send(6, _stored([b"v1"], b"v0", toks[32:64]))  # batch 5 was lost: what 4 stored may be gone
+    assert view.num_blocks == 0 and view.match(ours) == 0
+
+
+def test_drc_on_vllm_imports_only_past_the_hit_and_recomputes_a_stale_hit():
+    """Main decode over vLLM with prefix caching on (its own process: one connector engine per
+    process): turn 2 of a conversation imports only the blocks past the DRC hit and vLLM's cache
+    supplies the rest; a hit evicted after the match is recomputed; tokens identical throughout."""
+    r = subprocess.run([sys.executable, str(ROOT / "tests/_vllm_drc.py")], capture_output=True, text=True,
+                       timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["cleared"] and got["view_holds_a"], got
+    assert got["t1"]["hit"] == 0 and got["t1"]["imported_blocks"] == got["t1"]["prompt_blocks"], got
+    t2 = got["t2"]
+    assert t2["hit"] >= got["a_blocks"] * 16 and t2["hit"] % 32 == 0 and t2["drc_lost"] == 0, got
+    assert t2["imported_blocks"] == t2["prompt_blocks"] - t2["hit"] // 16, got
+    assert got["t3"]["hit"] > 0 and got["t3"]["drc_lost"] == 1, got
+    assert got["t1_identical"] and got["t2_identical"] and got["t3_identical"], got
+    assert got["load_failures"] == 0 and got["live"] == 0, got
 
 
 @pytest.mark.parametrize("engines, match", [
@@ -336,6 +398,28 @@ def test_graph_on_vllm_is_token_identical_on_every_path(graph, veng):
         if want["pipeline"] == "P-MD":
             assert info["wan_bytes"] > 0 and info["eager_tokens"] == 0
     assert {"one-shot", "catch-up"} <= modes, modes
+
+
+@pytest.mark.cluster
+def test_vllm_md_drc_serves_the_next_turn_from_its_prefix_cache(graph, veng):
+    """Turn 2 of a conversation goes to the MD whose vLLM cache holds turn 1 (the router's view,
+    from vLLM's events), which receives only the blocks past the hit: fewer WAN bytes, same tokens."""
+    from pdd_serve.engine.kv import block_hashes
+    from pdd_serve.serve.pinning import pinned_handle
+
+    turn1 = _prompt(400, 600)
+    [(out1, a)] = asyncio.run(_stream_all(graph, [(turn1, 40, {"pipeline": "P-MD"})]))
+    turn2 = turn1 + out1 + _prompt(401, 40)
+    md = pinned_handle(APP, "MainDecode", a["md_replica"])
+    chain = set(block_hashes(turn1[: len(turn1) // 32 * 32], 16))
+    deadline = time.monotonic() + 30
+    while not chain <= set(md.routing_view.remote(None).result(timeout_s=30).hashes) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    time.sleep(0.5)  # the routers' background view picks it up
+    [(out2, b)] = asyncio.run(_stream_all(graph, [(turn2, 40, {"pipeline": "P-MD"})]))
+    assert b["md_replica"] == a["md_replica"], (a, b)
+    assert b["prefix_hit_md"] >= 0.9 * len(turn1) / len(turn2) and b["wan_bytes"] < a["wan_bytes"] / 4, (a, b)
+    assert [out1, out2] == veng.generate_batch([turn1, turn2], SamplingParams(40, ignore_eos=True))
 
 
 @pytest.mark.cluster

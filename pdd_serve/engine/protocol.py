@@ -59,6 +59,10 @@ class CacheView(Protocol):
     stats: Any  # inserted_blocks, evicted_blocks, hit_rate
     num_blocks: int
 
+    def refresh(self, wait: bool = True) -> None:
+        """Catch up with the engine's cache where the view trails it (vLLM's events); safe off the
+        engine thread; `wait=False` returns at once if another thread is catching up."""
+
 
 @runtime_checkable
 class EngineBackend(Protocol):

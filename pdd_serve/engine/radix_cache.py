@@ -69,6 +69,9 @@ class RadixCache:
     def num_blocks(self) -> int:
         return len(self.nodes)
 
+    def refresh(self, wait: bool = True) -> None:
+        """Always current (the engine thread changes it directly); `CacheView` asks every view."""
+
     @property
     def used_bytes(self) -> int:
         return len(self.nodes) * self.block_bytes

@@ -60,12 +60,15 @@ class KVStore:
     """KV the engine holds outside vLLM's cache, per vLLM request id (token-major tensors)."""
 
     def __init__(self) -> None:
-        self.offers: dict[str, torch.Tensor] = {}  # request -> KV of its first tokens, to load
+        # request -> (first token, KV of tokens [first, ...)) to load; `first` > 0 when main decode's
+        # DRC matched the prompt's first tokens in vLLM's own prefix cache and received only the rest
+        self.offers: dict[str, tuple[int, torch.Tensor]] = {}
         self.save: set[str] = set()  # requests whose computed KV is copied out after each forward
         self.saved: dict[str, torch.Tensor] = {}  # request -> KV copied out so far (token-major)
         self.loaded: dict[str, int] = {}  # request -> tokens vLLM took from its offer
         self.last_step = StepWork()  # the step the scheduler built last (for `ForwardWork`)
         self.load_failures = 0  # loads that failed and were recomputed (stats, tests)
+        self.drc_lost = 0  # offers past a DRC hit that vLLM evicted before the load: recomputed
 
     def forget(self, req_id: str) -> None:
         for d in (self.offers, self.saved, self.loaded):
@@ -165,8 +168,14 @@ class PDDConnector(KVConnectorBase_V1):
         offer = self.store.offers.get(request.request_id)
         if offer is None:
             return 0, False
+        first, kv = offer
+        if num_computed_tokens < first:
+            # the DRC prefix this offer continues was evicted from vLLM's cache since main decode
+            # matched it: loading would leave a hole, so vLLM computes the prompt from its own hit
+            self.store.drc_lost += 1
+            return 0, False
         # at least one token is computed by the forward (it samples the next token from it)
-        n = max(0, min(offer.shape[0], request.num_tokens - 1) - num_computed_tokens)
+        n = max(0, min(first + kv.shape[0], request.num_tokens - 1) - num_computed_tokens)
         self._matched[request.request_id] = (num_computed_tokens, n)
         return n, False
 
@@ -228,8 +237,9 @@ class PDDConnector(KVConnectorBase_V1):
                 continue
             start, end = op.load
             try:
-                src = self.store.offers[op.req_id][start:end]  # [tokens, layers, 2, heads, head_dim]
-                if src.shape[0] != end - start or src.shape[1] != len(self._caches):
+                first, kv = self.store.offers[op.req_id]
+                src = kv[max(0, start - first):end - first]  # [tokens, layers, 2, heads, head_dim]
+                if start < first or src.shape[0] != end - start or src.shape[1] != len(self._caches):
                     raise ValueError(f"offer holds {tuple(src.shape)} for tokens [{start}, {end})")
                 b, o = slots(op.block_ids, bs, start, end)
                 for layer, view in enumerate(self._caches):

@@ -4,6 +4,9 @@ in PDD's blocks (object store inside a site, Flight across sites) through `PDDCo
 How the protocol's calls map onto a vLLM engine (run in-process, stepped by us):
   prefill      a vLLM request over the prompt with max_tokens=1, its KV copied out by the
                connector as it is computed (each finished chunk, so blocks can leave early)
+  match_prefix main decode's DRC: the longest prompt prefix vLLM's own prefix cache holds, read
+               from vLLM's KV cache events mirrored in PDD's hashes (`vllm_cache`); only the
+               blocks after it are received, and vLLM's cache supplies the prefix
   import_kv    received blocks are held token-major; the next submission offers them to vLLM,
                which loads them into its paged cache and computes only the tokens after them
   extend       the token-id handoff: a request whose prompt is the original prompt plus the
@@ -12,11 +15,12 @@ How the protocol's calls map onto a vLLM engine (run in-process, stepped by us):
                chunked prefill mixing in); tokens are handed out per sequence
   release      aborts the vLLM request and drops what the connector holds for it
 Stop rules are ours (vLLM runs with `ignore_eos` and our remaining max_tokens, and is aborted at
-our stop), so a request stops at the same token on either engine. vLLM's own prefix caching stays
-on inside each engine; the router's DRC view (`cache`) is not mapped onto it yet, so `cache` is
-None and a vLLM main decode receives every block (its local prefix cache still skips recomputing
-what it holds). Sampling beyond greedy is vLLM's: a seeded request that moves between engines
-restarts vLLM's generator, so only greedy output is handoff-exact with this backend.
+our stop), so a request stops at the same token on either engine. A DRC hit is not pinned in
+vLLM's cache (only a running request pins blocks there): if vLLM evicts the prefix before the
+request is submitted, the connector sees the hole and vLLM recomputes the prompt from what it
+still holds (`KVStore.drc_lost`): slower, never a wrong token. Sampling beyond greedy is vLLM's:
+a seeded request that moves between engines restarts vLLM's generator, so only greedy output is
+handoff-exact with this backend.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from pdd_serve.engine.protocol import ForwardWork
 from pdd_serve.engine.sampling import RequestError, SamplingParams
 
 # what we set and the graph may not: the connector is ours, the tokenizer is the router's
-FIXED_ARGS = ("model", "kv_transfer_config", "skip_tokenizer_init", "enable_prefix_caching")
+FIXED_ARGS = ("model", "kv_transfer_config", "kv_events_config", "skip_tokenizer_init", "enable_prefix_caching")
 VLLM_BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32; PDD's blocks stay their own size
 
 
@@ -84,6 +88,7 @@ class _Live:
     req_id: str
     tokens: deque[int] = field(default_factory=deque)
     done: bool = False  # vLLM finished it (max_tokens reached on its side)
+    cached: int = 0  # prompt tokens vLLM's prefix cache supplied (its first output says)
 
 
 class _Pool:
@@ -112,11 +117,12 @@ class VllmEngine:
                  engine_args: dict | None = None, connector: bool = True) -> None:
         """`connector=False`: plain vLLM, no KV in or out (the single-engine reference)."""
         vllm = _vllm()
-        from vllm.config import KVTransferConfig
+        from vllm.config import KVEventsConfig, KVTransferConfig
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
         from pdd_serve.engine import vllm_connector
+        from pdd_serve.engine.vllm_cache import KVEventSubscriber, VllmCacheView
 
         self.args = ModelArgs.from_checkpoint(path)
         self.block_size = block_size
@@ -137,6 +143,12 @@ class VllmEngine:
             kv_connector="PDDConnector", kv_connector_module_path=vllm_connector.__name__,
             kv_role="kv_both", kv_connector_extra_config={"store": self._key},
             kv_load_failure_policy="recompute") if connector else None)
+        # the DRC view: vLLM publishes its prefix cache's stores and evictions in-process (inproc://,
+        # no port), mirrored in PDD's hashes by `vllm_cache`; the single-engine reference needs none
+        events = f"inproc://pdd-kv-events-{self._key}" if connector and enable_prefix_cache else None
+        if events:
+            kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                    endpoint=events, topic=self._key)
         if kw["block_size"] != VLLM_BLOCK_SIZE:
             raise ValueError(f"vllm.block_size is {VLLM_BLOCK_SIZE} for this backend")
         self.max_model_len = int(kw["max_model_len"])
@@ -147,7 +159,8 @@ class VllmEngine:
         self._vllm = vllm
         self.version = vllm.__version__
         self.pool = _Pool(self)
-        self.cache = None  # no DRC view over vLLM's prefix cache yet (module docstring)
+        self.cache = VllmCacheView(block_size, KVEventSubscriber(events, self._key)) if events else None
+        self._base: dict[int, int] = {}  # id(seq) -> tokens its DRC hit left in vLLM's cache (held KV starts there)
         self.on_forward: Callable[[ForwardWork], None] | None = None
         self.preemptions = 0
         self.failed: str | None = None
@@ -192,7 +205,21 @@ class VllmEngine:
         return seq.chain(self.block_size, num_tokens)
 
     def match_prefix(self, seq: Sequence, max_blocks: int | None = None) -> int:
-        return 0  # no DRC view (cache is None): vLLM's prefix cache still hits inside `prefill`
+        """Main decode's DRC: the longest prefix of the prompt vLLM's cache holds (at least one
+        prompt token stays to compute), at most `max_blocks` blocks. Rounded down to vLLM's block,
+        the unit its cache hits in, so the hit is one vLLM will find. Returns the hit tokens."""
+        if seq.num_computed or id(seq) in self._live:
+            raise RuntimeError(f"{seq.request_id}: DRC match of a request that already has KV")
+        if self.cache is None:
+            return 0
+        bs = self.block_size
+        limit = seq.prompt_len - 1 if max_blocks is None else min(seq.prompt_len - 1, max_blocks * bs)
+        hit = self.cache.match(seq.chain(bs, limit)) * bs // VLLM_BLOCK_SIZE * VLLM_BLOCK_SIZE
+        self.cache.record(seq.prompt_len, hit)
+        seq.num_computed = seq.prefix_hit_tokens = hit
+        if hit:
+            self._base[id(seq)] = hit
+        return hit
 
     def append_tokens(self, seq: Sequence, token_ids: Iterable[int]) -> None:
         seq.token_ids.extend(token_ids)
@@ -202,6 +229,7 @@ class VllmEngine:
         if live is not None:
             self._end(live)
         self._held.pop(id(seq), None)
+        self._base.pop(id(seq), None)
         if seq.finish_reason is None:
             seq.finish_reason = "abort"
 
@@ -232,6 +260,9 @@ class VllmEngine:
                                f"{0 if kv is None else kv.shape[0]} of its {plen} tokens")
         self._held[id(seq)] = kv[:plen]
         seq.num_computed = plen
+        seq.prefix_hit_tokens = min(live.cached, plen)
+        if self.cache is not None:
+            self.cache.record(plen, seq.prefix_hit_tokens)
         tok = self._take(seq, live)
         self._drop_live(seq)
         if on_chunk is not None:
@@ -265,19 +296,21 @@ class VllmEngine:
     # ------------------------------------------------------------ KV in and out
 
     def export_kv(self, seq: Sequence, start_block: int = 0, end_block: int | None = None) -> KVBlocks:
-        kv = self._held.get(id(seq))
+        kv, base = self._held.get(id(seq)), self._base.get(id(seq), 0)
         n = seq.num_computed
-        if kv is None or kv.shape[0] < n or n == 0:
+        if kv is None or base + kv.shape[0] < n or n == 0:
             raise KVError(f"{seq.request_id}: no computed KV held to export")
         bs = self.block_size
         nb = -(-n // bs)
         end_block = nb if end_block is None else min(end_block, nb)
         if not 0 <= start_block <= end_block:
             raise KVError(f"bad block range [{start_block}, {end_block}) for {nb} computed blocks")
+        if start_block * bs < base:
+            raise KVError(f"{seq.request_id}: blocks before {base // bs} are in vLLM's prefix cache, not held here")
         full = seq.chain(bs, n)
         hashes = [full[i] if i < len(full) else 0 for i in range(start_block, end_block)]
         ntok = min(n, end_block * bs) - start_block * bs
-        return tokens_to_blocks(self.layout, kv[start_block * bs:], hashes, start_block, ntok)
+        return tokens_to_blocks(self.layout, kv[start_block * bs - base:], hashes, start_block, ntok)
 
     def import_kv(self, seq: Sequence, blocks: KVBlocks, verify: bool = True) -> None:
         bs = self.block_size
@@ -290,7 +323,8 @@ class VllmEngine:
             blocks.verify()
         new = blocks_to_tokens(blocks)
         have = self._held.get(id(seq))
-        self._held[id(seq)] = new if have is None else torch.cat([have[: seq.num_computed], new])
+        base = self._base.get(id(seq), 0)  # a DRC hit's tokens stay in vLLM's cache: held KV starts after them
+        self._held[id(seq)] = new if have is None else torch.cat([have[: seq.num_computed - base], new])
         seq.num_computed = end
 
     # ------------------------------------------------------------ the vLLM request behind a sequence
@@ -318,9 +352,9 @@ class VllmEngine:
         if salt is not None:
             prompt["cache_salt"] = salt
         rid = self.llm.add_request(ext, prompt, vp)
-        kv = self._held.get(id(seq))
-        if kv is not None and seq.num_computed:
-            self.store.offers[rid] = kv[: seq.num_computed]
+        kv, base = self._held.get(id(seq)), self._base.get(id(seq), 0)
+        if kv is not None and seq.num_computed > base:
+            self.store.offers[rid] = (base, kv[: seq.num_computed - base])
         if save:
             self.store.save.add(rid)
         live = self._live[id(seq)] = _Live(ext, rid)
@@ -374,9 +408,12 @@ class VllmEngine:
             if live is None or live.ext_id != out.request_id:
                 continue  # released meanwhile
             live.tokens.extend(out.outputs[0].token_ids)
+            live.cached = max(live.cached, out.num_cached_tokens or 0)
             if out.finished:
                 live.done = True
                 self._by_ext.pop(live.ext_id, None)
+        if self.cache is not None:
+            self.cache.refresh()  # every step, so the view stays fresh and nothing queues up unread
         work = self.store.last_step.reqs
         self.store.last_step = type(self.store.last_step)()
         if self.on_forward is not None and work:
@@ -423,7 +460,8 @@ class VllmEngine:
 
     def num_live(self) -> int:
         """vLLM requests this engine holds (zero when every sequence was released)."""
-        return len(self._live) + len(self._by_ext) + len(self.store.offers) + len(self.store.saved)
+        return (len(self._live) + len(self._by_ext) + len(self._held) + len(self._base)
+                + len(self.store.offers) + len(self.store.saved))
 
 
 __all__ = ["VllmEngine", "VllmUnavailableError", "check_engine_args"]

@@ -78,6 +78,8 @@ class MainDecode:
         """What this replica caches and how loaded it is, for the routers' background view (their
         affinity and pipeline input). The block hashes are sent only when they changed."""
         cache = self.engine.cache
+        if cache is not None:
+            cache.refresh(wait=False)  # a vLLM engine's view trails its events; an idle engine drains none
         version = cache.stats.inserted_blocks + cache.stats.evicted_blocks if cache is not None else 0
         epoch = f"{self.started_at}:{self.flight.location}"
         # list(dict) runs in C under the GIL: a consistent copy while the engine thread inserts
