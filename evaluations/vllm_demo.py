@@ -15,6 +15,7 @@ import json
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,19 +63,40 @@ async def _drive(url: str, work: list[tuple[list[int], int, dict]]) -> list[tupl
         return await asyncio.gather(*(_stream(client, url, p, n, d) for p, n, d in work))
 
 
-def references(model_path: str, work: list[tuple[list[int], int, dict]]) -> tuple[list[list[int]], list[list[int]]]:
-    """(vLLM's single-engine greedy output, our torch engine's) for every job, all prompts in flight
-    at once in the one engine."""
+Job = tuple[list[int], int, dict]
+
+
+def references(model_path: str, work: list[Job], then: Callable[[list[list[int]]], list[Job]] | None = None,
+               ) -> tuple[list[Job], list[list[int]], list[list[int]]]:
+    """(jobs, vLLM's single-engine greedy output, our torch engine's) for every job, all prompts in
+    flight at once in the one engine; `then(answers)` builds a second wave on the first's answers."""
     from pdd_serve.engine.engine import Engine
     from pdd_serve.engine.sampling import SamplingParams
     from pdd_serve.engine.vllm_engine import VllmEngine
 
-    prompts = [p for p, _, _ in work]
-    params = [SamplingParams(n, ignore_eos=True) for _, n, _ in work]
     ref = VllmEngine(model_path, connector=False, engine_args={"max_num_seqs": 64})
-    vllm_out = ref.generate_batch(prompts, params)
-    torch_out = Engine.from_pretrained(model_path).generate_batch(prompts, params)
-    return vllm_out, torch_out
+    teng = Engine.from_pretrained(model_path)
+
+    def run(wave: list[Job]) -> tuple[list[list[int]], list[list[int]]]:
+        prompts = [p for p, _, _ in wave]
+        params = [SamplingParams(n, ignore_eos=True) for _, n, _ in wave]
+        return ref.generate_batch(prompts, params), teng.generate_batch(prompts, params)
+
+    vllm_out, torch_out = run(work)
+    if then is not None:
+        wave = then(vllm_out)
+        v2, t2 = run(wave)
+        work, vllm_out, torch_out = work + wave, vllm_out + v2, torch_out + t2
+    return work, vllm_out, torch_out
+
+
+def next_turns(work: list[tuple[list[int], int, dict]], outputs: list[list[int]], k: int = 3, seed: int = 1,
+               vocab: int = 2048) -> list[tuple[list[int], int, dict]]:
+    """Second turns of the first k conversations (prompt + its answer + new text), sent P-MD once the
+    first wave is done: main decode's DRC (vLLM's own prefix cache) holds their first turn."""
+    rng = random.Random(seed)
+    return [(p + out + [rng.randrange(3, vocab) for _ in range(48)], 64, {"pipeline": "P-MD"})
+            for (p, _, _), out in zip(work[:k], outputs[:k])]
 
 
 def handoff_bytes(n_tokens: int, vocab: int) -> int:
@@ -101,10 +123,12 @@ def run_vllm_demo(graph: str = "graphs/pdd_vllm.yaml", requests: int = 18, keep:
 
     model = str(resolve_model(cfg.model.path))
     margs = ModelArgs.from_checkpoint(model)
-    work = jobs(requests, vocab=margs.vocab_size)
+    first = jobs(requests, vocab=margs.vocab_size)
     log(f"reference: {requests} prompts in flight at once in one plain vLLM engine (and our torch engine) ...")
     t0 = time.monotonic()
-    ref_vllm, ref_torch = references(model, work)
+    # a turn 2 is built on vLLM's turn-1 answer (the graph must give the same one to match it)
+    work, ref_vllm, ref_torch = references(model, first, lambda out: next_turns(first, out, vocab=margs.vocab_size))
+    turn2 = work[len(first):]
     log(f"  done in {time.monotonic() - t0:.0f} s")
     ccfg = LocalClusterConfig()
     log("starting the local two-site cluster (site a: prefill + relay, site b: main decode) ...")
@@ -114,7 +138,10 @@ def run_vllm_demo(graph: str = "graphs/pdd_vllm.yaml", requests: int = 18, keep:
         url = deploy_graph(_exposing_cache_hits(path), env, log=log)
         log(f"streaming {requests} requests at once: {', '.join(json.dumps(p) for p in PATHS)} in turn")
         t0 = time.monotonic()
-        results = asyncio.run(_drive(url, work))
+        results = asyncio.run(_drive(url, first))
+        time.sleep(1.0)  # the routers' background view of the MDs' caches catches up
+        log(f"then {len(turn2)} second turns, P-MD: main decode's DRC (vLLM's prefix cache) holds their first turn")
+        results += asyncio.run(_drive(url, turn2))
         wall = time.monotonic() - t0
         if keep:
             log(f"\nleft serving at {url}; stop with: pdd cluster down")
@@ -132,7 +159,8 @@ def run_vllm_demo(graph: str = "graphs/pdd_vllm.yaml", requests: int = 18, keep:
         rows.append({"pipeline": info.get("pipeline", "?"), "want": want, "handoff_mode": mode, "prompt": len(prompt),
                      "tokens": len(ids), "identical": ids == rv, "torch_identical": ids == rt, "error": err,
                      "eager": info.get("eager_tokens", 0), "batches": info.get("handoff_batches", 0),
-                     "wan_bytes": info.get("wan_bytes", 0), "handed": handed})
+                     "wan_bytes": info.get("wan_bytes", 0), "handed": handed,
+                     "hit_md": info.get("prefix_hit_md", 0.0)})
     print(f"\n{'#':>3} {'pipeline':<9}{'mode':<10}{'prompt':>7}{'tokens':>7}{'eager':>6}{'batches':>8}"
           f"{'WAN KB':>8}  vs vLLM  vs torch")
     for i, r in enumerate(rows):
@@ -142,9 +170,10 @@ def run_vllm_demo(graph: str = "graphs/pdd_vllm.yaml", requests: int = 18, keep:
     handoffs = [r for r in rows if r["handed"]]
     hand_b = sum(handoff_bytes(r["handed"], margs.vocab_size) for r in handoffs)
     hand_kv = sum(r["handed"] * bpt for r in handoffs)
+    second = rows[len(first):]
     out = {
         "demo": "vllm", "backend": "vllm", "reference": "vllm", "dtype": "float32",
-        "concurrent_requests": len(rows),
+        "concurrent_requests": len(first),
         "handoff_modes": sorted({r["handoff_mode"] for r in rows} - {"none"}),
         "outputs_identical": all(r["identical"] and not r["error"] for r in rows),
         "mismatches": sum(not r["identical"] for r in rows),
@@ -154,6 +183,11 @@ def run_vllm_demo(graph: str = "graphs/pdd_vllm.yaml", requests: int = 18, keep:
         "handoff_payload_ratio": hand_b / hand_kv if hand_kv else None,
         "handoff_bytes": hand_b, "handoff_kv_bytes": hand_kv,
         "kv_bytes_cross_site": sum(r["wan_bytes"] for r in rows),
+        # the second turns: share of each prompt main decode's DRC held, and KV bytes it did not need
+        "drc_second_turns": len(second),
+        "drc_prefix_hit_md": [round(r["hit_md"], 3) for r in second],
+        "drc_wan_bytes": sum(r["wan_bytes"] for r in second),
+        "drc_wan_bytes_saved": sum(round(r["hit_md"] * r["prompt"]) * bpt for r in second),
         "errors": sum(1 for r in rows if r["error"]), "wall_s": round(wall, 1),
         "graph": str(graph),
     }

@@ -157,7 +157,13 @@ class KVEventSubscriber:
                 _topic, seq, payload = self._sock.recv_multipart(flags=self._zmq.NOBLOCK)
             except self._zmq.Again:
                 return n
-            view.apply(int.from_bytes(seq, "big"), self._decode.decode(payload).events)
+            try:
+                events = self._decode.decode(payload).events
+            except Exception as e:  # noqa: BLE001 - a batch we can't read: forget, don't guess
+                logger.warning("vLLM KV events: unreadable batch (%s: %s): DRC view cleared", type(e).__name__, e)
+                view.clear()
+                continue
+            view.apply(int.from_bytes(seq, "big"), events)
             n += 1
 
     def close(self) -> None:
