@@ -193,8 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# optional dependencies -> the extra that installs them (serving nodes need none of them)
+OPTIONAL_MODULES = {"mlflow": "eval", "matplotlib": "eval", "vllm": "vllm"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    args = None
     try:
         args = parser.parse_args(argv)
         if not hasattr(args, "_run"):
@@ -203,6 +208,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args._run(args)
     except UsageError as e:
         print(e, file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        extra = OPTIONAL_MODULES.get((e.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"pdd {getattr(args, 'command', '')}: needs {e.name}, an optional dependency: "
+              f"pip install -e '.[{extra}]'",
+              file=sys.stderr)
         return 2
     except SystemExit as e:  # --help and friends
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)

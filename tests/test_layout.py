@@ -114,6 +114,23 @@ def test_pdd_help_lists_every_command_and_stays_light():
     assert "skipping" not in r.stderr, r.stderr
 
 
+def test_a_command_missing_an_optional_dependency_names_the_extra(monkeypatch, capsys):
+    """Serving nodes install no MLflow: `pdd compare` there says which extra to install."""
+    def run(_args):
+        raise ModuleNotFoundError("No module named 'mlflow'", name="mlflow")
+
+    monkeypatch.setattr(cli, "all_commands", lambda: [cli.Command("compare", "x", lambda p: None, run)])
+    assert cli.main(["compare"]) == 2
+    assert "pdd compare: needs mlflow, an optional dependency: pip install -e '.[eval]'" in capsys.readouterr().err
+
+    def broken(_args):
+        raise ModuleNotFoundError("No module named 'nonexistent'", name="nonexistent")
+
+    monkeypatch.setattr(cli, "all_commands", lambda: [cli.Command("compare", "x", lambda p: None, broken)])
+    with pytest.raises(ModuleNotFoundError):  # a bug, not an extra: the traceback stays
+        cli.main(["compare"])
+
+
 def test_a_broken_plugin_costs_only_its_own_commands(monkeypatch, capsys):
     from importlib.metadata import EntryPoint
 

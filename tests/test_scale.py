@@ -24,7 +24,7 @@ import yaml
 from pdd_serve.serve.pinning import replica_actors
 from tests._cluster import running_mds
 from tests.test_faults import _prompt, _ref, _wait_healthy
-from tests.test_serve_graph import _free_port
+from tests.test_serve_graph import _free_port, _refs
 
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,9 +123,9 @@ def test_handoff_calls_reach_the_replica_that_holds_the_request(graph, ref_engin
     with ThreadPoolExecutor(len(jobs)) as pool:
         outs = list(pool.map(lambda j: _stream(url, _prompt(j[1], size[j[0]["pipeline"]][0]),
                                                size[j[0]["pipeline"]][1], j[0]), jobs))
-    for (pdd, seed), (ids, info) in zip(jobs, outs):
-        p, n = size[pdd["pipeline"]]
-        assert ids == _ref(ref_engine, _prompt(seed, p), n), info
+    want = _refs(ref_engine, [(_prompt(seed, size[pdd["pipeline"]][0]), size[pdd["pipeline"]][1]) for pdd, seed in jobs])
+    for (pdd, _), (ids, info), ref in zip(jobs, outs, want):
+        assert ids == ref, info
         assert info["fallbacks"] == [], info  # no call went astray (a refused pin would show as md_lost)
         if pdd["pipeline"] == "P-RLD-MD":
             assert info["handoff_mode"] == pdd["handoff_mode"] and info["md_tokens"] > 0, info
@@ -160,8 +160,8 @@ def test_two_routers_never_admit_more_than_the_relay_pool_holds(graph, ref_engin
     finally:
         done.set()
         sampler.join()
-    for s, (ids, info) in zip(seeds, outs):
-        assert ids == _ref(ref_engine, _prompt(s, 600), n), info
+    for (ids, info), ref in zip(outs, _refs(ref_engine, [(_prompt(s, 600), n) for s in seeds])):
+        assert ids == ref, info
     peak = max(h.stats.remote().result(timeout_s=30).extra["peak_live"] for h in relays)
     assert max(seen) <= RELAY_MAX and peak <= RELAY_MAX, (seen, peak)
     refused = sum(info["fallbacks"].count("relay_full") for _, info in outs)
@@ -185,8 +185,8 @@ def test_a_replica_removed_mid_stream_loses_no_token(graph, ref_engine):
     (kept,) = after
     removed = [r for r in before if r != kept]
     assert removed and kept in before, (before, kept)
-    for s, (ids, info) in zip(seeds, outs):
-        assert ids == _ref(ref_engine, _prompt(s, 500), n), info
+    for (ids, info), ref in zip(outs, _refs(ref_engine, [(_prompt(s, 500), n) for s in seeds])):
+        assert ids == ref, info
         assert info["md_replica"] == kept, info
     moved = [info for _, info in outs if info["fallbacks"]]
     assert before[removed[0]] == 0 or moved, (before, [i["fallbacks"] for _, i in outs])
