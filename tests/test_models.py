@@ -24,6 +24,20 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("arch", models.ARCHS)
+def test_our_loader_counts_and_loads_every_weight(tiny: dict[str, Path], arch: str) -> None:
+    """`num_params` (which picks meta or real construction) is the module's count, and a small model
+    built for real loads the checkpoint's values, not its random init."""
+    from safetensors.torch import load_file
+
+    from pdd_serve.engine.model import ModelArgs, load_model
+
+    model = load_model(tiny[arch], "cpu", torch.float32, batch_invariant=False)
+    assert ModelArgs.from_checkpoint(tiny[arch]).num_params == sum(p.numel() for p in model.parameters())
+    state = load_file(str(tiny[arch] / "model.safetensors"))
+    assert torch.equal(model.model.embed_tokens.weight, state["model.embed_tokens.weight"])
+
+
+@pytest.mark.parametrize("arch", models.ARCHS)
 def test_checkpoint_loads_with_transformers(tiny: dict[str, Path], arch: str) -> None:
     path = tiny[arch]
     model = AutoModelForCausalLM.from_pretrained(path)

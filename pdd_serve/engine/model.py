@@ -7,6 +7,7 @@ token-identical to `transformers` generate on the same weights.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass
@@ -49,6 +50,13 @@ class ModelArgs:
             raise CheckpointError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:
             raise CheckpointError(f"head_dim={self.head_dim} must be even for RoPE")
+
+    @property
+    def num_params(self) -> int:
+        """Weights in the module (embedding and LM head counted apart, as the module holds them)."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        layer = h * (2 * q + 2 * kv) + 3 * h * self.intermediate_size + 2 * h + (q + 2 * kv) * self.qkv_bias
+        return 2 * self.vocab_size * h + self.num_layers * layer + h
 
     @classmethod
     def from_checkpoint(cls, path: str | Path) -> ModelArgs:
@@ -364,6 +372,9 @@ class LlamaModel(nn.Module):
         self._hidden(input_ids, positions, pool, ctx)
 
 
+META_INIT_PARAMS = 200_000_000  # above this, building on the meta device beats initializing for real
+
+
 def load_model(path: str | Path, device: str, dtype: torch.dtype, batch_invariant: bool = True) -> LlamaModel:
     """Build the module from config.json and load model*.safetensors (sharded or single).
     `batch_invariant`: float64 where float32 kernels differ by batch (float32 models only)."""
@@ -374,7 +385,10 @@ def load_model(path: str | Path, device: str, dtype: torch.dtype, batch_invarian
     files = sorted(path.glob("model*.safetensors"))
     if not files:
         raise CheckpointError(f"{path} has no model*.safetensors weights (pytorch .bin checkpoints are not supported)")
-    with torch.device("meta"):
+    # On the meta device no memory is spent initializing weights the checkpoint overwrites, but its
+    # first use costs ~2 s (torch's Python decompositions of the init ops): a small model is built
+    # for real in a fraction of that, which every replica's start (and scale-up) pays
+    with torch.device("meta") if args.num_params > META_INIT_PARAMS else contextlib.nullcontext():
         model = LlamaModel(args)
     state: dict[str, torch.Tensor] = {}
     for f in files:
