@@ -114,6 +114,15 @@ def test_pdd_help_lists_every_command_and_stays_light():
     assert "skipping" not in r.stderr, r.stderr
 
 
+def test_the_router_imports_no_torch():
+    """A Router replica loads no engine: it hashes prompts (`engine.blocks`) and routes, so its
+    process stays small and starts fast (torch alone is ~1.6 s of import and ~200 MB per process)."""
+    code = "import sys\nimport pdd_serve.serve.router\nprint('TORCH', 'torch' in sys.modules)\n"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "TORCH False" in r.stdout, r.stdout
+
+
 def test_a_command_missing_an_optional_dependency_names_the_extra(monkeypatch, capsys):
     """Serving nodes install no MLflow: `pdd compare` there says which extra to install."""
     def run(_args):

@@ -956,21 +956,21 @@ def test_the_prompt_hash_chain_is_computed_once_and_carried(model_dir, monkeypat
     from GenRequest (each engine re-hashes only the last block, its O(1) check of what it was
     handed). Before, one request's prompt was hashed ~7 times (and once more per prefill chunk)."""
     from pdd_serve.engine import engine as engine_mod
-    from pdd_serve.engine import kv as kv_mod
+    from pdd_serve.engine import blocks as blocks_mod
 
     b = InProcessBackends(model_dir, wan_delay_s=0.05, relay_step_s=0.01)
     orch = _orch(b, handoff_batch_tokens=1)
     b.p.prefill = functools.partial(Engine.prefill, b.p, chunk_tokens=32)  # as a Prefill replica chunks
     prompt = _prompt(200, 5)  # 12 full blocks, prefilled in 7 chunks
     ref = Engine.from_pretrained(model_dir).generate(prompt, 40)
-    real, calls = kv_mod.chain_hash, []
+    real, calls = blocks_mod.chain_hash, []
 
     def counting(parent, block):
         h = real(parent, block)
         calls.append(h)
         return h
 
-    monkeypatch.setattr(kv_mod, "chain_hash", counting)
+    monkeypatch.setattr(blocks_mod, "chain_hash", counting)
     monkeypatch.setattr(engine_mod, "chain_hash", counting)
     chain = tuple(block_hashes(prompt, 16))  # what the Router does on its parser thread
     assert len(calls) == len(chain) == 12

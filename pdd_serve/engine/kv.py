@@ -10,7 +10,6 @@ estimate and the Flight stream speak.
 
 from __future__ import annotations
 
-import hashlib
 import warnings
 from dataclasses import dataclass, field
 
@@ -18,24 +17,20 @@ import numpy as np
 import torch
 from isal import isal_zlib
 
-ROOT_HASH = 0  # parent of the first block of every sequence
+# block identity and token math live apart (no torch): the Router hashes prompts with them
+from pdd_serve.engine.blocks import (  # noqa: F401 - re-exported: the engine's callers import them from here
+    ROOT_HASH,
+    KVError,
+    OutOfBlocksError,
+    PoolFullError,
+    block_hashes,
+    blocks_needed,
+    chain_hash,
+    num_full_blocks,
+)
 
 _NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": None}
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-class KVError(ValueError):
-    """A KV buffer does not match the layout it claims (shape, dtype, checksum, hash)."""
-
-
-class OutOfBlocksError(RuntimeError):
-    """The block pool has no free block left (after evicting what the prefix cache could)."""
-
-
-class PoolFullError(OutOfBlocksError):
-    """A request that fits the pool, but not *now*: running requests hold the blocks. Not the
-    client's fault (a request that can never fit is a RequestError): retry it later or on another
-    replica."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -86,34 +81,6 @@ class KVLayout:
     def numpy_dtype(self) -> np.dtype:
         # bfloat16 has no numpy dtype: its bits travel as uint16 and are reinterpreted on import
         return np.dtype(np.uint16) if self.dtype == "bfloat16" else np.dtype(_NP_DTYPES[self.dtype])
-
-
-# ---------------------------------------------------------------- token math (pure functions)
-
-
-def num_full_blocks(num_tokens: int, block_size: int) -> int:
-    return num_tokens // block_size
-
-
-def blocks_needed(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
-
-
-def chain_hash(parent: int, block_token_ids: list[int] | tuple[int, ...]) -> int:
-    """64-bit identity of a block given its parent's identity and its own token ids."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(parent.to_bytes(8, "little", signed=False))
-    h.update(np.asarray(block_token_ids, dtype=np.int64).tobytes())
-    return int.from_bytes(h.digest(), "little", signed=False)
-
-
-def block_hashes(token_ids: list[int], block_size: int, parent: int = ROOT_HASH) -> list[int]:
-    """Hash chain over the *full* blocks of `token_ids` (a trailing partial block has no identity)."""
-    out: list[int] = []
-    for i in range(num_full_blocks(len(token_ids), block_size)):
-        parent = chain_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
-        out.append(parent)
-    return out
 
 
 def bytes_checksum(buf: bytes | memoryview) -> int:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the Router uses the parameters and errors, never the math: it imports no torch
+    import torch
 
 
 class RequestError(ValueError):
@@ -67,6 +69,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int])
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, step: int) -> int:
+    import torch  # noqa: F811 - only where sampling runs (cached after the first call)
+
     logits = logits.double() / p.temperature  # float64 over T >= MIN_TEMPERATURE: finite, exact softmax
     if p.top_k > 0:
         kth = torch.topk(logits, min(p.top_k, logits.shape[-1])).values[-1]

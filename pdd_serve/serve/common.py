@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from pdd_serve.config import ModelConfig, PDDConfig
-from pdd_serve.emulation import Emulation, PacedEngine, StepPacer
-from pdd_serve.engine.engine import Engine
 from pdd_serve.engine.protocol import EngineBackend
+
+if TYPE_CHECKING:  # engines load in the engine roles only: a Router replica never imports torch
+    from pdd_serve.emulation import Emulation
 
 logger = logging.getLogger("pdd_serve")
 
@@ -25,6 +27,8 @@ def load_engine(model: ModelConfig, enable_prefix_cache: bool = True, threads: i
     capped by `kv_cache_bytes`: nothing allocates gigabytes because a chip has them."""
     import torch
 
+    from pdd_serve.emulation import PacedEngine, StepPacer
+    from pdd_serve.engine.engine import Engine
     from pdd_serve.engine.kv import KVLayout, dtype_name
     from pdd_serve.models import resolve_model
 

@@ -19,7 +19,7 @@ from dataclasses import replace
 from typing import Any, TypeVar
 
 from pdd_serve.config import PDDConfig
-from pdd_serve.engine.kv import blocks_needed
+from pdd_serve.engine.blocks import blocks_needed
 from pdd_serve.engine.sampling import RequestError
 from pdd_serve.policy import LinkEstimate, catchup_done, choose_pipeline, pick_md, plan_handoff, wan_backlog
 from pdd_serve.serve.backends import Backends, MDKey

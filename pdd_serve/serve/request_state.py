@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pdd_serve.engine.kv import PoolFullError, block_hashes
+from pdd_serve.engine.blocks import PoolFullError, block_hashes
 from pdd_serve.engine.sampling import RequestError
 from pdd_serve.serve.backends import MDKey
 from pdd_serve.serve.messages import GenRequest, PrefillBusy, RelaySaturated

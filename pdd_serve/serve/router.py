@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
 from pdd_serve.config import PDDConfig
-from pdd_serve.engine.kv import block_hashes
+from pdd_serve.engine.blocks import block_hashes
 from pdd_serve.engine.sampling import SamplingParams
 from pdd_serve.metrics import RouterMetrics
 from pdd_serve.policy import LinkEstimate
