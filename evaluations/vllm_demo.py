@@ -29,10 +29,12 @@ PATHS = ({"pipeline": "P-MD"}, {"pipeline": "P-RLD-MD", "handoff_mode": "one-sho
 
 
 def jobs(n: int, seed: int = 0, vocab: int = 2048) -> list[tuple[list[int], int, dict]]:
-    """n cold prompts (200-1100 tokens), 96-160 output tokens each, cycling through PATHS. Long
-    enough that the relay is still decoding when the prompt's KV has crossed the slow line."""
+    """n cold prompts (200-1100 tokens), cycling through PATHS: 96 output tokens on P-MD, 256 and
+    320 on the relay paths, long enough that the relay is still decoding when the prompt's KV has
+    crossed the slow line (all 18 prompts' KV share it: ~4 s) even on a quiet machine, where the
+    relay decodes fastest. A relay that finishes first hands nothing off."""
     rng = random.Random(seed)
-    return [([rng.randrange(3, vocab) for _ in range(rng.randrange(200, 1100))], 96 + 32 * (i % 3), PATHS[i % 3])
+    return [([rng.randrange(3, vocab) for _ in range(rng.randrange(200, 1100))], (96, 256, 320)[i % 3], PATHS[i % 3])
             for i in range(n)]
 
 

@@ -955,8 +955,8 @@ def test_the_prompt_hash_chain_is_computed_once_and_carried(model_dir, monkeypat
     """The Router hashes the prompt once; the DRC view, Prefill, the relay and MD take the chain
     from GenRequest (each engine re-hashes only the last block, its O(1) check of what it was
     handed). Before, one request's prompt was hashed ~7 times (and once more per prefill chunk)."""
-    from pdd_serve.engine import engine as engine_mod
     from pdd_serve.engine import blocks as blocks_mod
+    from pdd_serve.engine import engine as engine_mod
 
     b = InProcessBackends(model_dir, wan_delay_s=0.05, relay_step_s=0.01)
     orch = _orch(b, handoff_batch_tokens=1)
