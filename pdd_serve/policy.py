@@ -45,6 +45,7 @@ class MDStatus:
     running: int  # sequences decoding now
     capacity: int  # decode batch cap
     healthy: bool = True
+    hit_unit: int = 1  # its cache hits in whole units of this many blocks (hit_blocks is a multiple)
 
 
 @dataclass(frozen=True)

@@ -469,6 +469,21 @@ def test_view_picks_up_a_turns_prefix_after_md_caches_it(model_dir):
     assert orch.index.status(1 - md, hashes).hit_blocks == 0
 
 
+def test_a_view_in_whole_cache_units_plans_whole_units():
+    """A vLLM MD's cache hits in its 32-token blocks (2 of PDD's): the router's view counts whole
+    units only, so Prefill never starts sending inside one (MD would find the hit one block short and
+    the router would have P resend it: bytes, a round trip, an index_miss for nothing)."""
+    from pdd_serve.serve.md_index import MDIndex
+    from pdd_serve.serve.messages import MDView
+
+    chain = block_hashes(_prompt(130, 112), 16)  # 7 blocks
+    idx = MDIndex(max_age_s=10, settle_s=0)
+    idx.update(MDView("vllm", "e", 1, tuple(chain[:5]), 0, 8, "loc", hit_unit=2))  # a unit and a half
+    idx.update(MDView("torch", "e", 1, tuple(chain[:5]), 0, 8, "loc"))
+    assert idx.status("vllm", chain).hit_blocks == 4 and idx.status("vllm", chain).hit_unit == 2
+    assert idx.status("torch", chain).hit_blocks == 5
+
+
 @pytest.mark.parametrize("stale", ["evicted", "restarted"])
 def test_stale_view_costs_a_resend_never_a_token(model_dir, stale):
     """The view says MD holds turn 1; MD lost it meanwhile. Prefill already sends from the planned

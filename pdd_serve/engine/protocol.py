@@ -58,6 +58,7 @@ class CacheView(Protocol):
     nodes: Any  # block hash -> node: the cached prefix blocks, by the chained hash PDD routes on
     stats: Any  # inserted_blocks, evicted_blocks, hit_rate
     num_blocks: int
+    hit_unit: int  # a hit is a whole number of these many blocks (vLLM's cache: its 32-token block)
 
     def refresh(self, wait: bool = True) -> None:
         """Catch up with the engine's cache where the view trails it (vLLM's events); safe off the

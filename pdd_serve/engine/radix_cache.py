@@ -50,6 +50,7 @@ class CacheStats:
 
 
 class RadixCache:
+    hit_unit = 1  # any number of whole blocks can hit
     def __init__(self, block_size: int, block_bytes: int, capacity_bytes: int,
                  on_evict: Callable[[int], None] | None = None) -> None:
         if block_size <= 0 or block_bytes <= 0 or capacity_bytes < 0:

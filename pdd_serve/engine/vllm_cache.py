@@ -13,7 +13,9 @@ thread, so the view lags vLLM by at most the batches not yet drained. It may the
 block vLLM has just evicted; `VllmEngine.match_prefix` is built for that (the connector sees the
 shortfall and vLLM recomputes those tokens), and it never claims a block vLLM never stored. Events
 it can't map to PDD's hashes (blocks under a cache salt or LoRA, a child whose parent it never saw)
-are skipped: the view under-reports rather than guessing. A gap in the batch sequence (a dropped
+are skipped: the view under-reports rather than guessing. A hash is held once however often it is
+stored (vLLM re-emits stores for reused blocks), so two physical copies of one block are dropped at
+the first copy's removal: an under-report again. A gap in the batch sequence (a dropped
 message) clears the view for the same reason.
 """
 
@@ -34,9 +36,10 @@ class VllmCacheView:
     """vLLM's prefix cache in PDD's block hashes (the `cache` of a `VllmEngine`): `nodes` (hash ->
     how many vLLM blocks hold it), `stats` and `num_blocks`, as the torch engine's `RadixCache`."""
 
-    def __init__(self, block_size: int, source: KVEventSubscriber | None = None) -> None:
+    def __init__(self, block_size: int, source: KVEventSubscriber | None = None, hit_unit: int = 1) -> None:
         self.block_size = block_size
         self.source = source
+        self.hit_unit = hit_unit  # vLLM's cache hits in its own blocks: the routers plan whole ones
         # the engine thread drains and matches; a routing-view poll may drain from the replica's
         # event loop: one at a time (a ZMQ socket is not thread-safe)
         self._lock = threading.Lock()

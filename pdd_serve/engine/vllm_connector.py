@@ -161,18 +161,25 @@ class PDDConnector(KVConnectorBase_V1):
         self._matched: dict[str, tuple[int, int]] = {}  # request -> (local hit tokens, external tokens)
         self._load: dict[str, tuple[int, int]] = {}  # request -> tokens to load in its next step
         self._failed: set[int] = set()  # blocks whose load failed this step (worker side)
+        self._lost: set[str] = set()  # requests whose DRC prefix was gone (counted once each)
 
     # ------------------------------------------------------------ scheduler side
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        offer = self.store.offers.get(request.request_id)
+        rid = request.request_id
+        offer = self.store.offers.get(rid)
         if offer is None:
+            self._matched.pop(rid, None)
             return 0, False
         first, kv = offer
         if num_computed_tokens < first:
             # the DRC prefix this offer continues was evicted from vLLM's cache since main decode
             # matched it: loading would leave a hole, so vLLM computes the prompt from its own hit
-            self.store.drc_lost += 1
+            # (asked again each step the request waits for blocks: counted once)
+            if rid not in self._lost:
+                self._lost.add(rid)
+                self.store.drc_lost += 1
+            self._matched.pop(rid, None)
             return 0, False
         # at least one token is computed by the forward (it samples the next token from it)
         n = max(0, min(first + kv.shape[0], request.num_tokens - 1) - num_computed_tokens)
@@ -217,8 +224,9 @@ class PDDConnector(KVConnectorBase_V1):
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._blocks.pop(request.request_id, None)
-        self._load.pop(request.request_id, None)
+        for d in (self._blocks, self._load, self._matched):
+            d.pop(request.request_id, None)
+        self._lost.discard(request.request_id)
         return False, None  # saves are synchronous: the blocks can go at once
 
     # ------------------------------------------------------------ worker side

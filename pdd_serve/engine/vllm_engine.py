@@ -159,7 +159,8 @@ class VllmEngine:
         self._vllm = vllm
         self.version = vllm.__version__
         self.pool = _Pool(self)
-        self.cache = VllmCacheView(block_size, KVEventSubscriber(events, self._key)) if events else None
+        self.cache = (VllmCacheView(block_size, KVEventSubscriber(events, self._key), VLLM_BLOCK_SIZE // block_size)
+                      if events else None)
         self._base: dict[int, int] = {}  # id(seq) -> tokens its DRC hit left in vLLM's cache (held KV starts there)
         self.on_forward: Callable[[ForwardWork], None] | None = None
         self.preemptions = 0
@@ -219,6 +220,8 @@ class VllmEngine:
         seq.num_computed = seq.prefix_hit_tokens = hit
         if hit:
             self._base[id(seq)] = hit
+        else:
+            self._base.pop(id(seq), None)
         return hit
 
     def append_tokens(self, seq: Sequence, token_ids: Iterable[int]) -> None:

@@ -85,7 +85,7 @@ class MainDecode:
         # list(dict) runs in C under the GIL: a consistent copy while the engine thread inserts
         hashes = None if known == (epoch, version) else tuple(cache.nodes) if cache is not None else ()
         return MDView(self.replica, epoch, version, hashes, len(self.seqs), self.cfg.engine_for("main_decode").max_batch,
-                      self.flight.location)
+                      self.flight.location, cache.hit_unit if cache is not None else 1)
 
     async def prepare(self, req: GenRequest, planned_start: int | None = None) -> MDPrepareReply:
         """Register a request: adopt its DRC prefix and expect the rest of the prompt over Flight.

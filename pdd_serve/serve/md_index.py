@@ -95,4 +95,6 @@ class MDIndex:
                 break
             hit += 1
         fresh = self.clock() - e.at <= self.max_age_s and not self.failures.get(i)
-        return MDStatus(i, hit, e.view.running + len(e.assigned), e.view.capacity, healthy=fresh)
+        unit = max(1, e.view.hit_unit)
+        return MDStatus(i, hit - hit % unit, e.view.running + len(e.assigned), e.view.capacity, healthy=fresh,
+                        hit_unit=unit)

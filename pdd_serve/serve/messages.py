@@ -71,6 +71,9 @@ class MDView:
     running: int
     capacity: int
     flight_location: str
+    # its cache hits in whole units of this many blocks (vLLM's 32-token block is 2 of PDD's 16):
+    # a router that plans a hit inside a unit would have Prefill resend the unit's first half
+    hit_unit: int = 1
 
 
 @dataclass(frozen=True)

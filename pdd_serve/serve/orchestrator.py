@@ -100,8 +100,10 @@ class Orchestrator:
         md = pick_md(statuses, nblocks, self.block_bytes, link) if statuses else None
         # the router's view stands in for MD's answer: no cross-site round trip before prefill.
         # MD always computes at least one prompt token itself, so it adopts at most this many blocks
-        hit = next((s.hit_blocks for s in statuses if s.index == md), 0)
+        chosen = next((s for s in statuses if s.index == md), None)
+        hit, unit = (chosen.hit_blocks, chosen.hit_unit) if chosen is not None else (0, 1)
         planned = min(hit, (len(prompt) - 1) // bs) if pol.drc else 0
+        planned -= planned % unit  # MD adopts whole units of its cache (vLLM: 32-token blocks)
         missing = (nblocks - planned) * self.block_bytes
         dec = choose_pipeline(len(prompt), gen.params.max_tokens, missing, link, self.relay_load(), pol,
                               forced.get("pipeline"))
