@@ -69,7 +69,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int])
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, step: int) -> int:
-    import torch  # noqa: F811 - only where sampling runs (cached after the first call)
+    import torch  # only where sampling runs (cached after the first call)
 
     logits = logits.double() / p.temperature  # float64 over T >= MIN_TEMPERATURE: finite, exact softmax
     if p.top_k > 0:

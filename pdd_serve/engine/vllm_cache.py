@@ -123,13 +123,11 @@ class VllmCacheView:
     def match(self, chain: list[int]) -> int:
         """How many blocks of `chain` (a prompt's PDD hashes, in order) the view holds, from the
         first, after catching up with vLLM's events."""
-        with self._lock:
-            if self.source is not None:
-                self.source.drain(self)
-            n = 0
-            while n < len(chain) and chain[n] in self.nodes:
-                n += 1
-            return n
+        self.refresh()
+        n = 0
+        while n < len(chain) and chain[n] in self.nodes:
+            n += 1
+        return n
 
     def record(self, query_tokens: int, hit_tokens: int) -> None:
         self.stats.queries += 1
@@ -168,9 +166,6 @@ class KVEventSubscriber:
                 continue
             view.apply(int.from_bytes(seq, "big"), events)
             n += 1
-
-    def close(self) -> None:
-        self._sock.close(linger=0)
 
 
 __all__ = ["KVEventSubscriber", "VllmCacheView"]

@@ -183,7 +183,7 @@ class PDDConnector(KVConnectorBase_V1):
             return 0, False
         # at least one token is computed by the forward (it samples the next token from it)
         n = max(0, min(first + kv.shape[0], request.num_tokens - 1) - num_computed_tokens)
-        self._matched[request.request_id] = (num_computed_tokens, n)
+        self._matched[rid] = (num_computed_tokens, n)
         return n, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):

@@ -215,7 +215,8 @@ class VllmEngine:
             return 0
         bs = self.block_size
         limit = seq.prompt_len - 1 if max_blocks is None else min(seq.prompt_len - 1, max_blocks * bs)
-        hit = self.cache.match(seq.chain(bs, limit)) * bs // VLLM_BLOCK_SIZE * VLLM_BLOCK_SIZE
+        blocks = self.cache.match(seq.chain(bs, limit))
+        hit = (blocks - blocks % self.cache.hit_unit) * bs
         self.cache.record(seq.prompt_len, hit)
         seq.num_computed = seq.prefix_hit_tokens = hit
         if hit:
