@@ -113,6 +113,24 @@ def _pin_refusals() -> int:
     return sum(h.stats.remote().result(timeout_s=30).extra["pin_refusals"] for h in _mds().values())
 
 
+def test_every_router_watches_the_mds_before_its_first_request(graph):
+    """First in this module: no request has reached either Router. Each watches every MD from its
+    start, so no Router's first request waits a round trip to every MD for a view (before, the
+    watch started with a replica's first request: 2 x the line's one-way latency on it)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("Router", APP)
+    routers, want = set(replica_actors(APP, "Router")), {r: "running" for r in _mds()}
+    assert len(routers) == 2
+    seen: dict[str, dict] = {}
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (set(seen) == routers and all(w == want for w in seen.values())):
+        st = handle.stats.remote().result(timeout_s=30)  # Serve spreads these over both replicas
+        seen[st["replica"]] = st["md_watchers"]
+        time.sleep(0.2)
+    assert set(seen) == routers and all(w == want for w in seen.values()), (seen, want)
+
+
 def test_handoff_calls_reach_the_replica_that_holds_the_request(graph, ref_engine):
     url, _, _ = graph
     jobs = [({"pipeline": "P-RLD-MD", "handoff_mode": "one-shot"}, 11), ({"pipeline": "P-RLD-MD", "handoff_mode": "catch-up"}, 12),

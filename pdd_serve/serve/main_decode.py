@@ -18,6 +18,7 @@ from pdd_serve.metrics import ReplicaGauges
 from pdd_serve.serve.common import check_engine, emulation_stats, load_engine, logger, placement
 from pdd_serve.serve.messages import GenRequest, KVReady, MDPrepareReply, MDView, ReplicaStats, TokenChunk
 from pdd_serve.serve.pinning import ROUTER_CLASS, ReplicaGone, check_pin, this_replica
+from pdd_serve.serve.tasks import _spawn
 
 
 class MDRequestError(RuntimeError):
@@ -51,7 +52,7 @@ class MainDecode:
         self._kv: dict[str, asyncio.Task] = {}
         # a decode call waiting for its KV leaves its extend here; the import runs it in the same
         # engine-thread call, before the batch loop's next step can take the thread (a step lost)
-        self._extend_on_import: dict[str, Callable[[Sequence], None]] = {}
+        self._extend_on_import: dict[str, Callable[[Sequence, float], None]] = {}
         self._t_prepare: dict[str, float] = {}
         self._calls: dict[str, int] = {}  # router calls in progress per request
         self._touched: dict[str, float] = {}  # last router activity per request
@@ -100,16 +101,20 @@ class MainDecode:
             self._refuse_if_aborted(req)
             if rid in self.seqs:  # a re-delivery after a lost transfer: start the request over
                 await self._drop(rid, cache=False)
-            # on the engine thread: admission reads the pool and the cache it changes, and hashes the prompt
-            seq = await self.worker.call(self.engine.add, rid, list(req.prompt_token_ids), req.params,
-                                        req.block_hashes)
-            self._refuse_if_aborted(req)  # an abort that landed during the await (nothing held yet)
+            # one engine-thread call: admission (it reads the pool and the cache it changes) and
+            # the DRC match. Each call waits for the decode step in flight, and the _run loop
+            # queues the next step as soon as one ends, so a second call would wait a whole step
+            # more before MD expects the KV (and Prefill's stream can land)
+            admit = asyncio.ensure_future(self.worker.call(self._admit, req, planned_start))
+            try:
+                seq, hit = await asyncio.shield(admit)
+            except asyncio.CancelledError:  # the engine thread still runs it: give back what it adopts
+                admit.add_done_callback(self._give_back_admitted)
+                raise
         except BaseException:
             self._wake(rid)  # a call that overtook this prepare learns at once that it failed
             raise
         try:
-            hit = (await self.worker.call(self.engine.match_prefix, seq, planned_start)
-                   if self.engine.cache is not None else 0)
             self._refuse_if_aborted(req)  # an abort that landed during the await
             bs = self.engine.block_size
             start = hit // bs
@@ -129,6 +134,24 @@ class MainDecode:
         if self._reaper_task is None or self._reaper_task.done():
             self._reaper_task = asyncio.get_running_loop().create_task(self._reaper())
         return MDPrepareReply(self.replica, hit, start, n, self.flight.location)
+
+    def _admit(self, req: GenRequest, planned_start: int | None) -> tuple[Sequence, int]:
+        """On the engine thread: create the request's state and adopt its DRC prefix (hit tokens)."""
+        seq = self.engine.add(req.request_id, list(req.prompt_token_ids), req.params, req.block_hashes)
+        if self.engine.cache is None:
+            return seq, 0
+        try:
+            return seq, self.engine.match_prefix(seq, planned_start)
+        except BaseException:
+            seq.finish_reason = "abort"
+            self.engine.release(seq, cache=False)
+            raise
+
+    def _give_back_admitted(self, admit: asyncio.Future) -> None:
+        if not admit.cancelled() and admit.exception() is None:
+            seq, _ = admit.result()
+            seq.finish_reason = "abort"
+            _spawn(self.worker.release(seq, cache=False))
 
     async def wait_kv(self, request_id: str, timeout_s: float) -> KVReady:
         """Wait (bounded) until the prompt's KV has arrived and is loaded."""
@@ -160,13 +183,14 @@ class MainDecode:
     async def _receive(self, request_id: str, seq: Sequence) -> KVReady:
         try:
             got = await self.flight.wait_complete(request_id, self.cfg.real_s(self.cfg.flight.deadline_s))
+            landed = time.perf_counter()  # the stream is complete: the rest is the engine thread's
             # joining the received runs copies the whole delta: on the engine thread, not the event
             # loop; the Flight server verified every block's CRC on arrival, once per hop is enough
             def load() -> None:
                 self.engine.import_kv(seq, got.blocks, verify=not self.flight.verify_checksums)
                 then = self._extend_on_import.pop(request_id, None)
                 if then is not None:
-                    then(seq)
+                    then(seq, landed)
 
             await self.worker.call(load)
             return KVReady(True, got.bytes_received, got.seconds)
@@ -193,14 +217,14 @@ class MainDecode:
         self._calls[request_id] = self._calls.get(request_id, 0) + 1  # decoding: never an orphan
         try:
             t0 = time.perf_counter()
-            first: list = []  # (extend start, token or error) once the import ran the extend
+            first: list = []  # (KV landed, extend start, token or error) once the import ran the extend
 
-            def extend_on_import(seq: Sequence) -> None:  # on the engine thread, right after the import
+            def extend_on_import(seq: Sequence, landed: float) -> None:  # on the engine thread, after the import
                 t = time.perf_counter()
                 try:
-                    first.append((t, self._extend_committed(seq, committed)))
+                    first.append((landed, t, self._extend_committed(seq, committed)))
                 except Exception as e:  # noqa: BLE001 - raised below, on this call's path
-                    first.append((t, e))
+                    first.append((landed, t, e))
 
             self._extend_on_import[request_id] = extend_on_import
             try:
@@ -208,16 +232,19 @@ class MainDecode:
             finally:
                 waiting = self._extend_on_import.pop(request_id, None) is not None
             if waiting:  # the KV was already in (or came by another path): extend now
-                t1 = time.perf_counter()
+                landed = t1 = time.perf_counter()
                 tok = await self.worker.call(self._extend_committed, seq, committed)
             else:
                 if not first:  # the import took it and is running it on the engine thread now
                     await self.worker.call(lambda: None)  # (one thread, FIFO: done after this)
-                t1, tok = first[0]
+                landed, t1, tok = first[0]
                 if isinstance(tok, BaseException):
                     raise tok
             ts = self.cfg.time_scale  # reported in emulated seconds
-            timings = {"md_kv_wait_s": (t1 - t0) / ts, "md_step_s": (time.perf_counter() - t1) / ts}
+            # md_kv_wait_s = the stream's rest after the call landed (md_kv_land_s) + the import's
+            # wait for the engine thread and the import itself
+            timings = {"md_kv_wait_s": (t1 - t0) / ts, "md_kv_land_s": max(0.0, landed - t0) / ts,
+                       "md_step_s": (time.perf_counter() - t1) / ts}
             if seq.finish_reason is not None:
                 final = TokenChunk([tok], seq.finish_reason, timings)
             else:

@@ -260,6 +260,7 @@ class Orchestrator:
                     self._kv_landed(st)
                     if chunk.timings and st.info.md_step_s is None:
                         st.info.md_kv_wait_s = chunk.timings.get("md_kv_wait_s")
+                        st.info.md_kv_land_s = chunk.timings.get("md_kv_land_s")
                         st.info.md_step_s = chunk.timings.get("md_step_s")
                     st.info.md_tokens += len(chunk.token_ids)
                     yield chunk.token_ids

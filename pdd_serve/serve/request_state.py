@@ -75,6 +75,7 @@ class PDDInfo:
     decision_s: float | None = None
     prefill_s: float | None = None
     md_kv_wait_s: float | None = None
+    md_kv_land_s: float | None = None  # of md_kv_wait_s: until the stream was complete
     md_step_s: float | None = None
     kv_ready_s: float | None = None
     handoff_s: float | None = None
