@@ -402,7 +402,7 @@ def test_the_emulated_compare_reads_its_runs_back_offline(tmp_path) -> None:
                     f"s{k}", 0, "warm", 600, 0.9, 16, t_send_s=1.0 * k, status=200, token_ids=list(range(16)),
                     ttft_s=0.15 + 0.05 * k + (0.1 if cross else 0.0), tpot_s=0.01, e2e_s=0.4, output_tokens=16,
                     pdd={"pipeline": "P-MD", "prefix_hit_p": 0.9, "prefix_hit_md": 0.9 if cross else 0.0,
-                         "wan_bytes": 60 * 320 * 1024 if cross else 0,
+                         "wan_bytes": 60 * 320 * 1024 if cross else 0, "md_kv_wait_s": 0.02, "md_kv_land_s": 0.015, "ttft_s": 0.1,
                          **({"link_t_s": 30.0 + 3 * rep + k} if cross else {})}))
             res.runs.append(run)
             res.seeds.append(link_seed(for_repeat(g, rep)))
@@ -414,6 +414,9 @@ def test_the_emulated_compare_reads_its_runs_back_offline(tmp_path) -> None:
     assert set(fl) == set(results)  # emulated: every graph, same-DC included, has a modeled floor
     for n, extra in fl.items():
         assert 0 < extra["ttft_floor_p50_s"] < summaries[n]["ttft_p50_s"] + 1e-9
+        # the KV's landing is a part of MD's KV wait: the breakdown counts it once
+        assert extra["pmd_md_kv_land_s_p50"] == 0.015
+        assert extra["pmd_cross_site_rest_s_p50"] == pytest.approx(0.1 - 0.02)
         summaries[n].update(extra)
     head = emulated_headline(results, summaries, cfg)
     assert head["emulated"] and head["repeats"] == 2 and head["p90_ttft_vs_cross_dc_spread"] is not None
