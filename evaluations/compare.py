@@ -467,6 +467,16 @@ def common_params(workload: Workload, sla: SLA, load: LoadConfig, site_chips: Ma
     return out
 
 
+def emulated_command(cfg: CompareConfig) -> str:
+    """The command that reruns an emulated comparison (its table's first line and its JSON)."""
+    cmd = f"pdd compare --emulate {cfg.emulate.name} --repeats {cfg.repeats}"
+    if cfg.naive_once:
+        cmd += " --naive-once"
+    if tuple(cfg.graphs) != tuple(DEFAULT_GRAPHS):
+        cmd += f" --graphs {','.join(cfg.graphs)}"
+    return cmd
+
+
 def run_compare(workload: Workload, cfg: CompareConfig = CompareConfig(),
                 log: Callable[[str], None] = log_err) -> dict[str, Any]:
     """Run the comparison; print the table and the JSON line; return {summaries, headline, ...}."""
@@ -539,6 +549,8 @@ def run_compare(workload: Workload, cfg: CompareConfig = CompareConfig(),
             log(f"warning: the simulator's prediction failed: {type(e).__name__}: {e}")
             head["sim_vs_real_max_rel_err"] = None
     head["stream_first_token"] = cfg.stream_first_token
+    if cfg.emulate is not None:
+        head["command"] = emulated_command(cfg)
     head["shaped_link"] = cfg.env.shaped_link
     head["code_fingerprint"] = ",".join(sorted(fingerprints))
     if len(fingerprints) > 1:
@@ -558,8 +570,7 @@ def run_compare(workload: Workload, cfg: CompareConfig = CompareConfig(),
     log(f"artifacts in {out_dir}")
     if cfg.emulate is not None:
         print(f"EMULATED ({cfg.emulate.name}, time_scale {cfg.emulate.time_scale:g}: every time below is an emulated "
-              f"time, not a measured GPU time): pdd compare --emulate {cfg.emulate.name} --repeats {cfg.repeats}",
-              flush=True)
+              f"time, not a measured GPU time): {head['command']}", flush=True)
     print(comparison_table(summaries), flush=True)
     print_targets(head)
     print(json.dumps(head, sort_keys=False), flush=True)

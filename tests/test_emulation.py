@@ -380,6 +380,7 @@ def test_the_emulated_compare_reads_its_runs_back_offline(tmp_path) -> None:
         CompareConfig,
         GraphResult,
         add_sim_predictions,
+        emulated_command,
         emulated_headline,
         floors,
         summarize_graph,
@@ -408,6 +409,10 @@ def test_the_emulated_compare_reads_its_runs_back_offline(tmp_path) -> None:
             res.seeds.append(link_seed(for_repeat(g, rep)))
         results[g.name] = res
     cfg = CompareConfig(sla=SLA(sc.sla["ttft_s"], sc.sla["tpot_s"]), repeats=2, emulate=sc, mlflow=False)
+    # the table's first line and the JSON name the exact command that reruns it
+    assert emulated_command(cfg) == "pdd compare --emulate emulated_70b --repeats 2"
+    assert emulated_command(CompareConfig(repeats=3, naive_once=True, emulate=sc, graphs=("graphs/pdd.yaml",))) == (
+        "pdd compare --emulate emulated_70b --repeats 3 --naive-once --graphs graphs/pdd.yaml")
     summaries = {n: summarize_graph(r, cfg.sla, dict(cfg.site_chips), load_catalog(cfg.catalog))
                  for n, r in results.items()}
     fl = floors(results)
