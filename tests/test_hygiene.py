@@ -89,6 +89,19 @@ def _req(rid: str) -> GenRequest:
     return GenRequest(rid, tuple(PROMPT), SamplingParams(4, ignore_eos=True))
 
 
+def _record_engine_calls(md) -> list[str]:  # noqa: ANN001
+    """The name of every function MD submits to its engine thread from now on, in order."""
+    submitted: list[str] = []
+    real_call = md.worker.call
+
+    async def recording_call(fn, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        submitted.append(getattr(fn, "__name__", repr(fn)))
+        return await real_call(fn, *args, **kwargs)
+
+    md.worker.call = recording_call
+    return submitted
+
+
 async def _until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
     for _ in range(int(timeout_s / 0.005)):
         if cond():
@@ -259,14 +272,7 @@ def test_a_decode_waiting_for_its_kv_extends_in_the_imports_engine_call(md, send
         want += [t for _, t in sender.step([ref])]
     sender.release(ref, cache=False)
     free, cached_before = md.engine.pool.num_free, md.engine.cache.num_blocks
-    submitted: list[str] = []
-    real_call = md.worker.call
-
-    async def recording_call(fn, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        submitted.append(getattr(fn, "__name__", repr(fn)))
-        return await real_call(fn, *args, **kwargs)
-
-    md.worker.call = recording_call
+    submitted = _record_engine_calls(md)
 
     async def main() -> list[int]:
         await md.prepare(_req(rid))
@@ -298,14 +304,8 @@ def test_mds_prepare_admits_and_matches_in_one_engine_call_and_a_cancel_gives_th
     md.engine.release(seed)  # the prompt's full blocks are in MD's DRC
     free, cached = md.engine.pool.num_free, md.engine.cache.num_blocks
     assert cached > 0
-    submitted: list[str] = []
     real_call = md.worker.call
-
-    async def recording_call(fn, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        submitted.append(getattr(fn, "__name__", repr(fn)))
-        return await real_call(fn, *args, **kwargs)
-
-    md.worker.call = recording_call
+    submitted = _record_engine_calls(md)
     gate = threading.Event()
 
     async def main() -> None:
