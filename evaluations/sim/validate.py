@@ -216,6 +216,7 @@ def predicted(sc: Scenario, graph: str, rows: list[dict[str, Any]], ttft_s: floa
     # a run whose records say which draw of the line it met is replayed on that draw, once
     met = [recorded_link(run, sc.scheduler.request_overhead_s) if cross else None for run in runs]
     per_draw: list[dict[str, float]] = []
+    per_run: list[list[dict[str, float]]] = [[] for _ in runs]  # each repeat alone, one entry per draw
     pipes: dict[str, int] = {}
     wall = 0.0
     for k in range(draws if cross and None in met else 1):
@@ -223,17 +224,24 @@ def predicted(sc: Scenario, graph: str, rows: list[dict[str, Any]], ttft_s: floa
         tp: list[float] = []
         pre: list[float] = []
         good, span = 0, 0.0
-        for run, m in zip(runs, met):
+        for j, (run, m) in enumerate(zip(runs, met)):
             sck = sc if not cross else with_link_seed(sc, graph, *m) if m is not None else with_link_seed(sc, graph, k)
             sim = Simulation(sck, sck.deployments[graph], records_to_workload(run, sc.workload.block_size, sessions))
             reqs = sim.run()
             wall += sim.wall_s
             ok = [r for r in reqs if not r.fallback.startswith("failed")]  # a failed request is an error row
-            tt += [ttft(r, sck.sla) for r in ok]
+            run_tt = [ttft(r, sck.sla) for r in ok]
+            tt += run_tt
             pre += [r.t_prefill_done - r.arrival - sck.scheduler.request_overhead_s for r in ok if r.t_prefill_done >= 0]
             tp += [tpot(r, sck.sla) for r in ok if r.output > 1]
-            good += sum(1 for r in ok if ttft(r, sck.sla) <= ttft_s and (r.output <= 1 or tpot(r, sck.sla) <= tpot_s))
-            span += (max(r.t_done for r in ok) - min(r.arrival for r in reqs)) if ok else 0.0
+            run_good = sum(1 for r in ok if ttft(r, sck.sla) <= ttft_s and (r.output <= 1 or tpot(r, sck.sla) <= tpot_s))
+            run_span = (max(r.t_done for r in ok) - min(r.arrival for r in reqs)) if ok else 0.0
+            good += run_good
+            span += run_span
+            per_run[j].append({"ttft_p50": float(np.percentile(run_tt or [math.inf], 50)),
+                               "ttft_p90": float(np.percentile(run_tt or [math.inf], 90)),
+                               "goodput_rps": run_good / run_span if run_span > 0 else math.nan,
+                               "attainment": run_good / len(run)})
             if k == 0:
                 for r in reqs:
                     pipes[r.pipeline] = pipes.get(r.pipeline, 0) + 1
@@ -246,7 +254,10 @@ def predicted(sc: Scenario, graph: str, rows: list[dict[str, Any]], ttft_s: floa
     out: dict[str, Any] = {k: float(np.mean([d[k] for d in per_draw])) for k in per_draw[0]}
     out["range"] = {k: (min(d[k] for d in per_draw), max(d[k] for d in per_draw)) for k in per_draw[0]}
     out.update(pipelines=pipes, draws=len(per_draw), sim_seconds=wall,
-               runs_on_recorded_link=sum(m is not None for m in met))
+               runs_on_recorded_link=sum(m is not None for m in met),
+               # per repeat (keyed by the records' repeat index), so ratios can be taken per repeat
+               per_run=[{"repeat": int(_f(run[0], "repeat", default=0) or 0),
+                         **{k: float(np.mean([d[k] for d in ds])) for k in ds[0]}} for run, ds in zip(runs, per_run)])
     return out
 
 
