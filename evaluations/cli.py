@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import sys
 from typing import Any
 
@@ -281,8 +282,10 @@ def _run_compare(args: argparse.Namespace) -> int:
         if scenario is not None:
             kw["load"] = dataclasses.replace(kw["load"], time_scale=scenario.time_scale)
             kw["experiment"] = args.experiment or "pdd-compare-emulated"
+        argv = getattr(args, "_argv", None)
         cfg = CompareConfig(graphs=graphs, repeats=args.repeats, stream_first_token=args.stream_first_token,
-                            emulate=scenario, naive_once=args.naive_once, **kw)
+                            emulate=scenario, naive_once=args.naive_once,
+                            command="pdd " + shlex.join(argv) if argv else None, **kw)
     except ValueError as e:
         raise _usage(f"pdd compare: error: {e}") from None
     try:

@@ -79,6 +79,7 @@ class CompareConfig:
     progress: bool = True
     stream_first_token: bool = False  # one first-token convention for every graph (default: PD's)
     emulate: Any = None  # an EmulatedScenario (evaluations/emulated.py): emulated chips, slow motion
+    command: str | None = None  # the command line that ran it (`pdd compare ...`), printed with its results
 
     def __post_init__(self) -> None:
         if not self.graphs:
@@ -475,10 +476,15 @@ def common_params(workload: Workload, sla: SLA, load: LoadConfig, site_chips: Ma
 
 
 def emulated_command(cfg: CompareConfig) -> str:
-    """The command that reruns an emulated comparison (its table's first line and its JSON)."""
+    """The command that reruns an emulated comparison (its table's first line and its JSON): the
+    command line as typed, else (called from Python) rebuilt from the config."""
+    if cfg.command:
+        return cfg.command
     cmd = f"pdd compare --emulate {cfg.emulate.name} --repeats {cfg.repeats}"
     if cfg.naive_once:
         cmd += " --naive-once"
+    if cfg.stream_first_token:
+        cmd += " --stream-first-token"
     if tuple(cfg.graphs) != tuple(DEFAULT_GRAPHS):
         cmd += f" --graphs {','.join(cfg.graphs)}"
     return cmd

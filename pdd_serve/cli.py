@@ -202,6 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = None
     try:
         args = parser.parse_args(argv)
+        args._argv = list(sys.argv[1:] if argv is None else argv)  # what reruns it (reports print it)
         if not hasattr(args, "_run"):
             parser.print_help(sys.stderr)
             return 2

@@ -413,6 +413,8 @@ def test_the_emulated_compare_reads_its_runs_back_offline(tmp_path) -> None:
     assert emulated_command(cfg) == "pdd compare --emulate emulated_70b --repeats 2"
     assert emulated_command(CompareConfig(repeats=3, naive_once=True, emulate=sc, graphs=("graphs/pdd.yaml",))) == (
         "pdd compare --emulate emulated_70b --repeats 3 --naive-once --graphs graphs/pdd.yaml")
+    typed = "pdd compare --emulate emulated_70b --repeats 3 --naive-once --seed 7"  # as the cli passes it
+    assert emulated_command(CompareConfig(emulate=sc, command=typed)) == typed
     summaries = {n: summarize_graph(r, cfg.sla, dict(cfg.site_chips), load_catalog(cfg.catalog))
                  for n, r in results.items()}
     fl = floors(results)
@@ -437,3 +439,20 @@ def test_the_emulated_compare_reads_its_runs_back_offline(tmp_path) -> None:
     # each simulated ratio is taken as the measured one is: per repeat, then the median
     per = head["sim_p90_ttft_vs_cross_dc_per_repeat"]
     assert len(per) == 2 and head["sim_p90_ttft_vs_cross_dc"] == pytest.approx(sorted(per)[0] / 2 + sorted(per)[1] / 2)
+
+
+def test_the_emulated_compare_is_told_the_command_line_that_ran_it(monkeypatch) -> None:
+    """`pdd compare ...` hands its own command line to the comparison, which prints it first."""
+    from evaluations import compare
+    from pdd_serve import cli
+
+    seen = {}
+
+    def fake_run(workload, cfg):  # noqa: ANN001, ANN202 - stands in for the cluster run
+        seen["command"] = compare.emulated_command(cfg)
+        return {"headline": {"mismatched_requests": 0}, "summaries": {}}
+
+    monkeypatch.setattr(compare, "run_compare", fake_run)
+    argv = ["compare", "--emulate", "emulated_70b", "--repeats", "2", "--naive-once", "--no-mlflow"]
+    assert cli.main(argv) == 0
+    assert seen["command"] == "pdd compare --emulate emulated_70b --repeats 2 --naive-once --no-mlflow"

@@ -304,25 +304,29 @@ def test_mds_prepare_admits_and_matches_in_one_engine_call_and_a_cancel_gives_th
     md.engine.release(seed)  # the prompt's full blocks are in MD's DRC
     free, cached = md.engine.pool.num_free, md.engine.cache.num_blocks
     assert cached > 0
-    real_call = md.worker.call
+    real_call, real_match = md.worker.call, md.engine.match_prefix
     submitted = _record_engine_calls(md)
-    gate = threading.Event()
+    entered, gate = threading.Event(), threading.Event()
+
+    def gated_match(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - holds the engine thread mid-call
+        entered.set()
+        gate.wait(10)
+        return real_match(*args, **kwargs)
 
     async def main() -> None:
         reply = await md.prepare(_req("one-call"))
         assert submitted == ["_admit"] and reply.hit_tokens > 0, (submitted, reply)
         assert await md.abort("one-call")
-        # the engine thread is busy (a step in flight): the prepare's call waits, and is cancelled
-        busy = asyncio.ensure_future(real_call(gate.wait, 10))
+        md.engine.match_prefix = gated_match
         task = asyncio.create_task(md.prepare(_req("cancelled")))
-        await _until(lambda: submitted.count("_admit") == 2)
+        await _until(entered.is_set)  # `_admit` runs on the engine thread: the prepare is cancelled now
+        releases = submitted.count("release")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        gate.set()
-        await busy
-        await _until(lambda: md.engine.pool.num_free == free)  # the adopted prefix is given back
-        await real_call(lambda: None)
+        gate.set()  # the match completes and adopts the prefix, for a prepare that is gone
+        await _until(lambda: submitted.count("release") > releases)  # the give-back
+        await real_call(lambda: None)  # one thread, FIFO: the release is done
 
     asyncio.run(main())
     for rid in ("one-call", "cancelled"):

@@ -161,3 +161,32 @@ def test_an_extend_short_of_blocks_preempts_younger_decoders_not_itself(model_di
     assert old.output_ids == old_ref and young.output_ids == young_ref
     eng.release(young)
     assert eng.pool.num_free == eng.pool.num_blocks and eng.num_preempted == 0
+
+
+def test_a_release_whose_caller_is_cancelled_still_frees_the_kv(model_dir):
+    """A release waits for the engine thread (a step in flight); the caller is cancelled meanwhile
+    (a Serve call that timed out). The release still runs: nothing else holds the sequence."""
+    import threading
+
+    eng = Engine.from_pretrained(model_dir, enable_prefix_cache=False)
+    w = EngineWorker(eng, max_batch=4)
+    free = eng.pool.num_free
+    gate = threading.Event()
+
+    async def main() -> None:
+        seq = eng.add("r", _prompt(40, 1), SamplingParams(4, ignore_eos=True))
+        await w.call(eng.prefill, seq)
+        assert eng.pool.num_free < free
+        busy = asyncio.ensure_future(w.call(gate.wait, 10))  # the engine thread is busy
+        task = asyncio.create_task(w.release(seq, cache=False))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        gate.set()
+        await busy
+        await w.call(lambda: None)  # FIFO: after the release
+
+    asyncio.run(main())
+    w._exec.shutdown(wait=True)
+    assert eng.pool.num_free == free

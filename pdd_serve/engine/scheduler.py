@@ -69,7 +69,9 @@ class EngineWorker:
 
     async def release(self, seq: Sequence, cache: bool = True) -> None:
         self._active.pop(seq.request_id, None)
-        await self.call(self.engine.release, seq, cache)
+        # shielded: a caller cancelled while the release waits for the engine thread (a step in
+        # flight) must not drop it, as nothing else holds the sequence to free its KV later
+        await asyncio.shield(self.call(self.engine.release, seq, cache))
         if self._loop_task is not None and self._loop_task.get_loop() is asyncio.get_running_loop():
             self._wake.set()  # freed blocks may let a preempted request resume
 
