@@ -439,6 +439,14 @@ def test_the_emulated_compare_reads_its_runs_back_offline(tmp_path) -> None:
     # each simulated ratio is taken as the measured one is: per repeat, then the median
     per = head["sim_p90_ttft_vs_cross_dc_per_repeat"]
     assert len(per) == 2 and head["sim_p90_ttft_vs_cross_dc"] == pytest.approx(sorted(per)[0] / 2 + sorted(per)[1] / 2)
+    # the P90 ratio's spread over draws of the line, from the same records (evaluations.p90_spread)
+    from evaluations.p90_spread import p90_ratio_spread
+    from evaluations.sim.config import load_scenario as load_sim
+
+    spread_rows = p90_ratio_spread(load_sim(tmp_path / "sim_scenario.yaml"), rows, draws=4, tiles=(1, 2))
+    assert [r["requests_per_repeat"] for r in spread_rows] == [4, 8]
+    assert all(0 < r["ratio_p10"] <= r["ratio_median"] <= r["ratio_p90"] and r["spread_median"] >= 0
+               for r in spread_rows)
 
 
 def test_the_emulated_compare_is_told_the_command_line_that_ran_it(monkeypatch) -> None:
