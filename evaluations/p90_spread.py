@@ -87,7 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         tiles = tuple(int(x) for x in args.tiles.split(","))
     except ValueError:
         ap.error(f"--tiles: comma-separated integers, got {args.tiles!r}")
-    res = p90_ratio_spread(sc, read_records(args.run_dir / "requests.parquet"), draws=args.draws, tiles=tiles)
+    rows = read_records(args.run_dir / "requests.parquet")
+    for g in ("pdd", "pd_cross_dc"):
+        if not any(r.get("graph") == g and int(r.get("repeat") or 0) == 0 for r in rows):
+            ap.error(f"{args.run_dir}: no repeat-0 records of graph {g!r}: the run must include pdd and pd_cross_dc")
+    res = p90_ratio_spread(sc, rows, draws=args.draws, tiles=tiles)
     print("requests/repeat  P90 ratio median [p10, p90]  spread of 3 (median)  P(spread <= 0.10)")
     for r in res:
         print(f"{r['requests_per_repeat']:>15}  {r['ratio_median']:.3f} [{r['ratio_p10']:.3f}, {r['ratio_p90']:.3f}]"
