@@ -97,10 +97,15 @@ class LoadConfig:
     # an emulated graph's slow motion: arrivals, think times and the timeout stretch by it, and
     # every measured time is divided back, so records read in emulated seconds
     time_scale: float = 1.0
+    # closed loop: this many clients, each starting the next session when its last one ended
+    # (sessions' start_s ignored); None: open loop, every session at its start_s
+    clients: int | None = None
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0 or self.max_connections <= 0:
             raise ValueError("LoadConfig needs timeout_s > 0 and max_connections > 0")
+        if self.clients is not None and self.clients <= 0:
+            raise ValueError(f"LoadConfig.clients must be > 0 or None, got {self.clients}")
         if not self.time_scale > 0:
             raise ValueError(f"LoadConfig.time_scale must be > 0, got {self.time_scale}")
 
@@ -160,8 +165,9 @@ async def stream_completion(client: Any, base_url: str, prompt: Sequence[int], t
 
 async def run_workload(base_url: str, sessions: Iterable[Session], cfg: LoadConfig = LoadConfig(),
                        progress: Any = None, transport: Any = None) -> list[RequestRecord]:
-    """Replay sessions open loop (each starts at its start_s; its turns follow their answers).
-    `transport`: an httpx transport to use instead of the network (tests)."""
+    """Replay sessions open loop (each starts at its start_s; its turns follow their answers), or
+    closed loop by `cfg.clients` clients. `transport`: an httpx transport to use instead of the
+    network (tests)."""
     import httpx
 
     sessions = list(sessions)
@@ -172,7 +178,8 @@ async def run_workload(base_url: str, sessions: Iterable[Session], cfg: LoadConf
         t_start = time.monotonic()
 
         async def one(s: Session) -> None:
-            await asyncio.sleep(max(0.0, s.start_s * ts - (time.monotonic() - t_start)))
+            if cfg.clients is None:
+                await asyncio.sleep(max(0.0, s.start_s * ts - (time.monotonic() - t_start)))
             context: list[int] = []
             for i, turn in enumerate(s.turns):
                 if i and turn.think_s:
@@ -198,7 +205,16 @@ async def run_workload(base_url: str, sessions: Iterable[Session], cfg: LoadConf
                     return
                 context += rec.token_ids
 
-        await asyncio.gather(*(one(s) for s in sessions))
+        if cfg.clients is None:
+            await asyncio.gather(*(one(s) for s in sessions))
+        else:
+            queue = iter(sessions)  # shared: each client takes the next session not yet taken
+
+            async def closed_client() -> None:
+                for s in queue:
+                    await one(s)
+
+            await asyncio.gather(*(closed_client() for _ in range(cfg.clients)))
     return sorted(records, key=lambda r: (r.t_send_s is None, r.t_send_s or 0.0, r.session_id, r.turn))
 
 

@@ -57,7 +57,8 @@ from pathlib import Path
 MAX_RETRIES = 30  # a refused request (every pool full) is sent again after its Retry-After
 SLOW_READ_S = 1.0  # a slow client reads one SSE chunk a second
 LATE_REPLICA_SETTLE_S = 30.0  # a replica started after warm-up (an MD replacing a killed one): RSS counts from here
-CAPACITY_RAMP_S = 5.0  # the capacity phase counts completions after its clients are all busy
+CAPACITY_RAMP_S = 5.0
+REFERENCE_BATCH = 16  # references computed together after a phase  # the capacity phase counts completions after its clients are all busy
 
 # what each fallback kind means, and which faults or loads cause it (printed with fallbacks_by_cause)
 FALLBACK_KINDS = {
@@ -80,6 +81,7 @@ class StreamResult:
     """What one HTTP call gave a client."""
 
     ids: list[int] = field(default_factory=list)
+    id: str = ""  # the response's id (the Router's request id starts with it)
     info: dict = field(default_factory=dict)
     finish: str | None = None
     error: str = ""
@@ -149,6 +151,7 @@ def _stream(url: str, prompt: list[int], n: int, stop: str | None, pdd: dict | N
                         out.error = obj["error"]["message"]
                     return out
                 ch = obj["choices"][0] if obj.get("choices") else {}
+                out.id = out.id or obj.get("id", "")
                 out.ids += ch.get("token_ids", [])
                 out.finish = ch.get("finish_reason") or out.finish
                 out.info = obj.get("pdd", out.info)
@@ -317,6 +320,29 @@ def fallback_causes(requests: list[tuple[str, float, float, list[str]]], faults:
     return {cause: dict(c) for cause, c in sorted(out.items())}
 
 
+def held_requests(every: dict, results: list[Rec]) -> list[dict]:
+    """What a replica still holds after the drain (a leak, or the relay pool's drift): the replica,
+    the request, and how its client's request ended (found by the response id the Router's request
+    id starts with; a client that left before its first chunk never saw one)."""
+    by_id = {r.s.id: r for r in results if r.s.id}
+    out = []
+    for name, st in every.items():
+        extra = getattr(st, "extra", None) or {}
+        ids = list(extra.get("live", ())) + list(extra.get("held", ()))
+        for rid in ids:
+            rec = by_id.get(rid.rsplit("-", 1)[0])
+            ended = ("no client record (the client left before its first chunk)" if rec is None else
+                     rec.error or (f"shed ({rec.s.shed})" if rec.s.shed else None)
+                     or (f"client disconnected {rec.s.disconnected}" if rec.s.disconnected else None)
+                     or f"finished ({rec.s.finish}) after {len(rec.s.ids)} tokens")
+            out.append({"replica": name, "request": rid, "phase": rec.phase if rec else None,
+                        "role": rec.role if rec else None, "pipeline": (rec.s.info.get("pipeline") if rec else None),
+                        "fallbacks": (rec.s.info.get("fallbacks") if rec else None), "ended": ended})
+        if not ids and st.running:  # a holder that reports no ids (Prefill's running prefills)
+            out.append({"replica": name, "request": None, "running": st.running, "ended": "unknown"})
+    return out
+
+
 def parse_rss_mb(status_text: str) -> tuple[float, float] | None:
     """(RSS, the shared-memory part of it) of a /proc/<pid>/status text, in MiB; None without a
     VmRSS line (a zombie, a kernel thread). The shared part is mostly Ray's object store: its
@@ -349,6 +375,9 @@ def rss_growth_mb(samples: dict[str, list[float]]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # hundreds of client threads stream at once: a short GIL switch interval lets the open-loop
+    # arrival thread wake and send on schedule (`arrival_lag_s` reports how late it was)
+    sys.setswitchinterval(0.0005)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=3.0, help="traffic duration with faults (default %(default)s)")
     ap.add_argument("--graph", default="graphs/pdd_dev.yaml", help="graph with policy.allow_fault_injection")
@@ -549,6 +578,16 @@ def main(argv: list[str] | None = None) -> int:
             with lock:
                 pending = [r for r in results if r.want is None and r.completed]
             t = time.monotonic()
+            # batched: the engine is batch-invariant (a token's logits do not depend on its batch),
+            # so each reference is still one engine's greedy output, in a fraction of the time
+            keys = list(dict.fromkeys((tuple(r.prompt), r.n) for r in pending))
+            with ref_lock:
+                todo = [k for k in keys if k not in references]
+                for i in range(0, len(todo), REFERENCE_BATCH):
+                    part = todo[i : i + REFERENCE_BATCH]
+                    outs = ref.generate_batch([list(p) for p, _ in part],
+                                              [SamplingParams(n, ignore_eos=True) for _, n in part])
+                    references.update(zip(part, outs))
             for r in pending:
                 r.want = reference(r.prompt, r.n)
             if pending:
@@ -714,6 +753,7 @@ def main(argv: list[str] | None = None) -> int:
 
         # ---------------------------------------------------------------- 4. overload
         offered_rps = 0.0
+        arrival_lag: dict[str, float] = {}
         if args.overload_s > 0:
             # the replacement of an MD the faults killed must be up: overload, not a missing replica
             settle = time.monotonic() + 120
@@ -727,12 +767,16 @@ def main(argv: list[str] | None = None) -> int:
                                      random.Random(args.seed * 15485863 + 3))
             log(f"overload: {len(arrivals)} arrivals over {args.overload_s:.0f}s "
                 f"({args.overload_factor:g} x {capacity_rps:.2f} requests/s)")
+            # each arrival's request is drawn before the phase: a thread started on time sends at once
+            planned = [work.next() for _ in arrivals]
+            late: list[float] = []  # how far behind its schedule each arrival was sent (s)
             t_phase = time.monotonic()
             arrivers = []
 
             def arrive(j: int) -> None:
+                late.append(time.monotonic() - (t_phase + arrivals[j]))
                 local = random.Random(args.seed * 3571 + j)
-                prompt, n, pdd = work.next()
+                prompt, n, pdd = planned[j]
                 r = local.random()
                 if r < 0.1:  # a slow reader: a short answer, a chunk a second
                     one("overload", prompt, local.randrange(12, 31), local, role="slow", pdd=pdd, retry=False,
@@ -756,6 +800,9 @@ def main(argv: list[str] | None = None) -> int:
             # fell behind its schedule sent fewer; the rest came after the minute and do not count)
             offered_rps = sum(1 for r in results if r.phase == "overload"
                               and r.t0 <= t_phase + args.overload_s) / args.overload_s
+            late.sort()
+            arrival_lag = {"p50": round(late[len(late) // 2], 3), "p99": round(late[int(len(late) * 0.99)], 3),
+                           "max": round(late[-1], 3)} if late else {}
             phase_s["overload"] = time.monotonic() - t_phase
             phase_end["overload"] = time.monotonic()
             log(f"overload phase: {phase_s['overload']:.0f}s with its tail")
@@ -844,6 +891,12 @@ def main(argv: list[str] | None = None) -> int:
                     continue
             fate = "still there" if cleared_after is None else f"gone after {cleared_after:.0f}s"
             log(f"orphans after the drain: {orphans} (prefills, KV transfers); {fate}")
+        still_held = held_requests(every, results) if leaked or drift else []
+        # a decoder that found KV not its request's own and recomputed it: no client saw it, but
+        # something upstream freed or misnamed a block (issue 37)
+        context_by_replica = {name: s.extra.get("context_mismatches", 0) for name, s in every.items()
+                              if s.extra.get("context_mismatches")}
+        mismatched_context = sum(context_by_replica.values())
         abandoned = sum(s.extra.get("prefills_abandoned", 0) for name, s in every.items() if name.startswith("Prefill#"))
         max_queue = max(r.get("max_stream_queue", 0) for r in routers.values())
         queue_bound = min(r.get("stream_queue_bound", 0) for r in routers.values())
@@ -902,6 +955,8 @@ def main(argv: list[str] | None = None) -> int:
                              ("fill: preemptions", preemptions),
                              ("errors", f"{errors} {dict(errors_by_phase)}"), ("tokens lost", lost), ("outputs identical", f"{identical}" + (f" ({len(mismatches)} differ: {mismatches[:3]})" if mismatches else "")),
                              ("leaked sequences", f"{leaked} {held}"), ("relay admission drift", drift),
+                             ("context mismatches", f"{mismatched_context} {context_by_replica}"),
+                             ("arrival lag (s)", arrival_lag),
                              ("orphaned prefills", f"{orphaned} (prefills, KV transfers) {orphans}; gone after {cleared_after} s; "
                                                    f"{abandoned} prefills abandoned on the way"),
                              ("stream queue", f"max {max_queue} of {queue_bound}"),
@@ -912,6 +967,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label:<22}{value}")
         for kind in sorted(fallbacks):
             print(f"  {kind:<20}{FALLBACK_KINDS.get(kind, '(no explanation on file)')}")
+        for h in still_held:
+            print(f"held after the drain: {h}", file=sys.stderr)
         for r in results:
             if r.error:
                 print(f"error ({r.phase}, {r.role}, {r.s.info.get('pipeline')}): {r.error[:300]}", file=sys.stderr)
@@ -931,7 +988,9 @@ def main(argv: list[str] | None = None) -> int:
                           "fallbacks": sum(fallbacks.values()), "errors": errors, "tokens_lost": lost,
                           "errors_by_phase": dict(errors_by_phase), "outputs_identical": identical, "mismatched": len(mismatches),
                           "mismatch_examples": mismatches[:5], "leaked_sequences": leaked,
-                          "relay_admission_drift": drift, "routers": len(routers), "minutes": args.minutes,
+                          "relay_admission_drift": drift, "held_after_drain": still_held[:10],
+                          "context_mismatches": mismatched_context, "arrival_lag_s": arrival_lag,
+                          "routers": len(routers), "minutes": args.minutes,
                           "requests_with_stop": with_stop, "fill_requests": by_phase.get("fill", 0),
                           "refused_retried": refused, "fill_preemptions": preemptions,
                           "fill_min_free_blocks": min(min_free.values()) if min_free else None,
@@ -952,6 +1011,7 @@ def main(argv: list[str] | None = None) -> int:
                           "max_stream_queue": max_queue, "stream_queue_bound": queue_bound,
                           "fallbacks_by_cause": by_cause, "warnings": warnings, "wall_s": round(wall)}))
         ok = (errors == 0 and lost == 0 and identical and leaked == 0 and drift == 0 and orphaned == 0
+              and mismatched_context == 0
               and max_queue <= queue_bound
               and peak_growth is not None and peak_growth <= args.rss_growth_limit_mb)
     finally:

@@ -34,7 +34,7 @@ from typing import Any
 TOKEN_LO, TOKEN_HI = 3, 2048  # ids 0-2 are the default tokenizer's specials; 2048 = its vocab
 TRACE_BLOCK_TOKENS = 512  # the Mooncake traces' hash_ids granularity
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
-KINDS = ("agentic", "cold", "anomalous", "sweep", "trace", "warmup")
+KINDS = ("agentic", "cold", "anomalous", "sweep", "trace", "warmup", "chat")
 
 
 class TraceError(ValueError):
@@ -322,6 +322,45 @@ def _agentic_turn(w: AgenticWorkload, rng: random.Random, system: tuple[int, ...
 def agentic_sessions(w: AgenticWorkload) -> list[Session]:
     """The measured sessions of `agentic_workload(w)` (kept for callers that want a plain list)."""
     return list(agentic_workload(w).sessions)
+
+
+# ---------------------------------------------------------------- multi-turn chat
+
+
+@dataclass(frozen=True)
+class ChatWorkload:
+    """Multi-turn chat as a chat benchmark client sends it: every conversation opens with one
+    shared system prompt and its own user context, then asks `turns` questions; each answer and
+    the next question are appended. No warm-up: the first conversations arrive at cold caches."""
+
+    conversations: int = 10
+    turns: int = 4
+    system_tokens: int = 800  # shared by every conversation
+    context_tokens: int = 300  # each conversation's own, after the system prompt
+    turn_tokens: int = 120  # each question
+    max_tokens: int = 48  # each answer (sent with ignore_eos)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for k in ("conversations", "turns", "system_tokens", "turn_tokens", "max_tokens"):
+            if getattr(self, k) <= 0:
+                raise ValueError(f"ChatWorkload.{k} must be > 0, got {getattr(self, k)}")
+        if self.context_tokens < 0:
+            raise ValueError(f"ChatWorkload.context_tokens must be >= 0, got {self.context_tokens}")
+
+
+def chat_workload(w: ChatWorkload) -> Workload:
+    rng = random.Random(w.seed)
+    system = fresh_tokens(random.Random(f"system:{w.seed}"), w.system_tokens)
+    sessions = []
+    for i in range(w.conversations):
+        opening = system + fresh_tokens(rng, w.context_tokens + w.turn_tokens)
+        later = [fresh_tokens(rng, w.turn_tokens) for _ in range(w.turns - 1)]
+        turns = [Turn(t, w.max_tokens, "chat") for t in (opening, *later)]
+        sessions.append(Session(f"chat-{i}", tuple(turns)))
+    params = tuple((k, getattr(w, k)) for k in ("conversations", "turns", "system_tokens", "context_tokens",
+                                                 "turn_tokens", "max_tokens", "seed"))
+    return Workload("chat", tuple(sessions), (), params)
 
 
 # ---------------------------------------------------------------- hit-rate sweep

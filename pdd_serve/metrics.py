@@ -92,7 +92,7 @@ class ReplicaGauges:
     `stats` reads the replica's state on the loop that changes it."""
 
     def __init__(self, role: str, stats: Callable[[], Any], period_s: float = 2.0) -> None:
-        from ray.serve.metrics import Gauge
+        from ray.serve.metrics import Counter, Gauge
 
         self.role, self._stats, self.period_s = role, stats, period_s
         self.requests = Gauge("pdd_replica_requests", "requests the replica holds", tag_keys=("role",))
@@ -105,6 +105,12 @@ class ReplicaGauges:
         self.overrun = Gauge("pdd_emulation_overrun_share", "share of engine steps slower than the emulated "
                              "chip's modeled time", tag_keys=("role", "kind"))
         self.steps = Gauge("pdd_emulation_steps", "engine steps paced to the emulated chip", tag_keys=("role", "kind"))
+        # a decoder that continued a request found KV that was not the request's own context and
+        # recomputed it from the token ids (`common.verify_context`): any count here is a bug upstream
+        self.context_mismatches = Counter("pdd_context_mismatches_total", "takeovers whose KV was not their "
+                                          "context (recomputed, never decoded)", tag_keys=("role",))
+        self.context_mismatches.set_default_tags({"role": role})
+        self._mismatches_seen = 0
         self._task: asyncio.Task | None = None
 
     @classmethod
@@ -120,7 +126,12 @@ class ReplicaGauges:
         s = self._stats()
         self.requests.set(s.running)
         self.kv.set(kv_usage(s.free_blocks, s.total_blocks))
-        emu = (getattr(s, "extra", None) or {}).get("emulation")
+        extra = getattr(s, "extra", None) or {}
+        seen = extra.get("context_mismatches", 0)
+        if seen > self._mismatches_seen:
+            self.context_mismatches.inc(seen - self._mismatches_seen)
+            self._mismatches_seen = seen
+        emu = extra.get("emulation")
         if emu:
             for kind in ("prefill", "decode"):
                 tags = {"role": self.role, "kind": kind}

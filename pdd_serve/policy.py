@@ -1,11 +1,13 @@
-"""PDD's decisions as pure functions: pipeline, MD replica, handoff mode, anomalous filter.
+"""PDD's decisions as pure functions: pipeline, MD replica, handoff mode, anomalous filter,
+Prefill's admission.
 
 The real Router and the simulator call exactly these, so one policy runs in both worlds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import math
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from pdd_serve.config import PolicyConfig
@@ -108,21 +110,74 @@ def plan_handoff(eager_tokens: int, relay_running: int, policy: PolicyConfig, fo
 
 
 # a prefill admitted only if it should end within this share of the router's budget: the estimate
-# is a rate over recent prompts, and the rest of the budget is for the answer's trip back
+# is a fit over recent prompts, and the rest of the budget is for the answer's trip back
 PREFILL_ADMIT_SHARE = 0.75
 
 
-def prefill_admits(queued_tokens: int, prompt_tokens: int, tokens_per_s: float | None,
+@dataclass(frozen=True)
+class PrefillCost:
+    """A prefill's engine time: a fixed part per prefill (the forwards' per-call costs, sampling)
+    plus a part per prompt token it computes. A rate alone (tokens/s) has no fixed part: measured
+    on short prompts, where the fixed part is most of the time, it made 1.2K-token prompts look
+    20x slower than they ran (issue 38)."""
+
+    fixed_s: float
+    per_token_s: float
+
+    def __post_init__(self) -> None:
+        for f in ("fixed_s", "per_token_s"):
+            v = getattr(self, f)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"PrefillCost.{f} must be finite and >= 0, got {v!r}")
+
+    def seconds(self, prefills: int, tokens: int) -> float:
+        """Engine seconds of `prefills` prefills that compute `tokens` prompt tokens between them."""
+        return self.fixed_s * prefills + self.per_token_s * tokens
+
+
+def fit_prefill_cost(samples: Sequence[tuple[int, float]],
+                     calibration: Sequence[tuple[int, float]] = ()) -> PrefillCost | None:
+    """A replica's prefill cost from its recent prefills, `samples` of (tokens computed, engine
+    seconds), and its `calibration` (the same engine's prefills at two or more sizes, measured
+    once): least squares with one per-token part for both sets and a fixed part of each set's
+    own, the samples' kept. What a prefill costs beside its tokens moves with the load on the
+    machine (a few ms on a quiet core here, hundreds in the graph under load), the per-token
+    part far less: so samples of one size set the fixed part and keep the calibration's
+    per-token part, and samples over a wider range of sizes than its own outweigh it. None with
+    neither set spanning two sizes: a cost measured on one size says nothing of another.
+    Neither part is negative: a falling line is all fixed part, a line below the origin all
+    per-token part (the mean's rate)."""
+
+    def moments(pts: Sequence[tuple[int, float]]) -> tuple[float, float, float, float]:
+        mx = sum(n for n, _ in pts) / len(pts)
+        my = sum(t for _, t in pts) / len(pts)
+        return mx, my, sum((n - mx) ** 2 for n, _ in pts), sum((n - mx) * (t - my) for n, t in pts)
+
+    sets = [m for m in (calibration, samples) if m]
+    if not sets:
+        return None
+    fits = [moments(pts) for pts in sets]
+    sxx, sxy = sum(f[2] for f in fits), sum(f[3] for f in fits)
+    if sxx == 0:
+        return None
+    mx, my = fits[-1][:2]  # the samples' own level when there are any, else the calibration's
+    per_token = max(0.0, sxy / sxx)
+    if my - per_token * mx < 0:
+        return PrefillCost(0.0, my / mx)
+    return PrefillCost(my - per_token * mx, per_token)
+
+
+def prefill_admits(queued: int, queued_tokens: int, prompt_tokens: int, cost: PrefillCost | None,
                    budget_s: float | None, share: float = PREFILL_ADMIT_SHARE) -> bool:
     """Admission at a Prefill replica. Its prompts run one after another, so a new one finishes
-    after every prompt token queued ahead of it, at the replica's measured rate (prompt tokens,
-    cached ones included, per second of engine time: it follows the workload's prefix hits). One
-    that would end past its budget would hold its place and then be abandoned: it is refused at
-    once, so the router sheds it (503) or retries, instead of queueing work nobody will wait for.
-    An idle replica takes any prompt; with no rate measured yet, it takes everything."""
-    if queued_tokens <= 0 or budget_s is None or not tokens_per_s:
+    after the `queued` prefills ahead of it (`queued_tokens` prompt tokens to compute between
+    them) and its own, at the replica's fitted `cost` (`fit_prefill_cost`). One that would end
+    past its budget would hold its place and then be abandoned: it is refused at once, so the
+    router sheds it (503) or retries, instead of queueing work nobody will wait for. An idle
+    replica takes any prompt; with no cost fitted yet, it takes everything."""
+    if queued <= 0 or budget_s is None or cost is None:
         return True
-    return (queued_tokens + prompt_tokens) / tokens_per_s <= share * budget_s
+    return cost.seconds(queued + 1, queued_tokens + prompt_tokens) <= share * budget_s
 
 
 def catchup_done(remaining_tokens: int, policy: PolicyConfig, previous_tokens: int | None = None) -> bool:

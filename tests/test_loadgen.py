@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 from pathlib import Path
 
 import httpx
@@ -13,27 +14,27 @@ import pytest
 from evaluations.compare import TARGETS, first_token_hops, headline, outputs_identity, request_floor
 from evaluations.cost import CatalogError, bcr, hardware_cost, load_catalog
 from evaluations.harness import prepare_graphs
-from evaluations.loadgen import SLA, RequestRecord, run_workload, summarize_run
+from evaluations.loadgen import SLA, LoadConfig, RequestRecord, run_workload, summarize_run
 from evaluations.workloads import Session, Turn
 
 
 def _fake_server(calls: list[dict]) -> httpx.MockTransport:
     """Answers each streamed completion with token ids 1000+len(prompt), ..., like the router does:
     a first chunk, one chunk per token, a final chunk with the pdd object, usage, [DONE]."""
+    return httpx.MockTransport(lambda request: _answer(request, calls))
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
-        calls.append(body)
-        n, base = body["max_tokens"], 1000 + len(body["prompt"]) % 500
-        chunks = [{"choices": [{"text": f"t{i}", "token_ids": [base + i], "finish_reason": None}]} for i in range(n)]
-        chunks.append({"choices": [{"text": "", "token_ids": [], "finish_reason": "length"}],
-                       "pdd": {"pipeline": "P-RLD-MD", "eager_tokens": 2, "wan_bytes": 4096, "handoff_mode": "one-shot",
-                               "prefix_hit_p": 0.5, "prefix_hit_md": 0.75}})
-        chunks.append({"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}})
-        sse = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
-        return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
 
-    return httpx.MockTransport(handler)
+def _answer(request: httpx.Request, calls: list[dict]) -> httpx.Response:
+    body = json.loads(request.content)
+    calls.append(body)
+    n, base = body["max_tokens"], 1000 + len(body["prompt"]) % 500
+    chunks = [{"choices": [{"text": f"t{i}", "token_ids": [base + i], "finish_reason": None}]} for i in range(n)]
+    chunks.append({"choices": [{"text": "", "token_ids": [], "finish_reason": "length"}],
+                   "pdd": {"pipeline": "P-RLD-MD", "eager_tokens": 2, "wan_bytes": 4096, "handoff_mode": "one-shot",
+                           "prefix_hit_p": 0.5, "prefix_hit_md": 0.75}})
+    chunks.append({"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}})
+    sse = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
 
 
 def test_sessions_send_token_ids_and_carry_answers_into_the_next_turn():
@@ -47,6 +48,29 @@ def test_sessions_send_token_ids_and_carry_answers_into_the_next_turn():
     assert r.pdd["pipeline"] == "P-RLD-MD" and not r.error
     assert 0 <= r.ttft_s <= r.tt2t_s <= r.e2e_s and r.tpot_s >= 0 and r.itl_max_s >= 0
     assert [x.prompt_tokens for x in recs] == [3, 7, 4]
+
+
+def test_a_closed_loop_keeps_its_clients_busy_and_no_more():
+    """`clients` sessions at a time, each client starting the next when its own ended (start_s
+    ignored), each session's turns in order as in the open loop."""
+    calls: list[dict] = []
+    live, peak = [0], [0]
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        live[0] += 1
+        peak[0] = max(peak[0], live[0])
+        await asyncio.sleep(0.01)  # the others arrive meanwhile
+        live[0] -= 1
+        return _answer(request, calls)
+
+    sessions = [Session(f"s{i}", (Turn((i + 5,), 2), Turn((8,), 2)), start_s=100.0) for i in range(5)]
+    t0 = time.monotonic()
+    recs = asyncio.run(run_workload("http://fake", sessions, LoadConfig(clients=2),
+                                    transport=httpx.MockTransport(handler)))
+    assert time.monotonic() - t0 < 10 and peak[0] == 2 and len(recs) == 10 and not any(r.error for r in recs)
+    assert [c["prompt"] for c in calls if c["prompt"][0] == 9] == [[9], [9, 1001, 1002, 8]]  # the last session
+    with pytest.raises(ValueError, match="clients"):
+        LoadConfig(clients=0)
 
 
 def test_a_failed_turn_skips_the_rest_of_its_session():

@@ -94,3 +94,31 @@ def test_random_workload_keeps_refcounts_and_budget():
     assert all(n.lock == 0 for n in c.nodes.values())
     c.clear()
     assert pool.num_free == pool.num_blocks and all(r == 0 for r in pool.refcount)
+
+
+def test_insert_never_evicts_the_chain_it_just_took():
+    """The caller takes its references to adopted values after insert returns: evicting one first
+    would hand on_evict a value the cache never owned (issue 37: a running request's block freed)."""
+    evicted: list[int] = []
+    c = _cache(4, evicted)
+    a = block_hashes(list(range(16)), BS)
+    c.insert(a, [0, 1, 2, 3])
+    c.lock(a)  # the whole budget locked by a running request
+    b = block_hashes(list(range(100, 108)), BS)
+    assert c.insert(b, [4, 5]) == [True, True]
+    assert evicted == [] and all(h in c.nodes for h in b)  # over budget until b is evictable
+    c.unlock(a)
+    c.evict_to_budget()
+    assert c.used_bytes <= c.capacity_bytes and len(evicted) == 2
+
+
+def test_discard_drops_a_block_and_everything_under_it_unless_locked():
+    evicted: list[int] = []
+    c = _cache(100, evicted)
+    hs = block_hashes(list(range(16)), BS)
+    c.insert(hs, [0, 1, 2, 3])
+    c.lock(hs[:3])
+    assert c.discard(hs[1]) == 0 and c.num_blocks == 4  # in use: left for now
+    c.unlock(hs[:3])
+    assert c.discard(hs[1]) == 3 and sorted(evicted) == [1, 2, 3]
+    assert c.match(list(range(16))).num_tokens == BS and c.discard(hs[1]) == 0

@@ -226,3 +226,24 @@ def test_the_top2_gap_is_the_reference_models_margin(model_dir) -> None:
     top = torch.topk(seen["l"].reshape(-1, seen["l"].shape[-1])[-1].float(), 2).values
     assert gap == pytest.approx(float(top[0] - top[1]), abs=1e-4) and gap >= 0
     assert e.pool.num_free == e.pool.num_blocks - (e.cache.num_blocks if e.cache else 0)  # nothing held
+
+
+def test_what_a_replica_still_holds_is_named_with_how_its_client_ended() -> None:
+    from types import SimpleNamespace
+
+    def rec(rid: str, **kw) -> soak.Rec:  # noqa: ANN003
+        return soak.Rec("overload", "disconnect", [1], 4, None, None, soak.StreamResult(id=rid, **kw), "", 0,
+                        Counter(), 0.0, 1.0)
+
+    results = [rec("cmpl-aa", disconnected="mid_stream", info={"pipeline": "P-RLD-MD", "fallbacks": ["md_lost"]}),
+               rec("cmpl-bb", finish="length", ids=[1, 2])]
+    every = {"Relay#x": SimpleNamespace(running=1, extra={"live": ["cmpl-aa-1f2e3d"]}),
+             "MainDecode#y": SimpleNamespace(running=1, extra={"held": ["cmpl-zz-000000"]}),
+             "Prefill#z": SimpleNamespace(running=2, extra={}),
+             "MainDecode#w": SimpleNamespace(running=0, extra={"held": []})}
+    got = soak.held_requests(every, results)
+    assert got[0] == {"replica": "Relay#x", "request": "cmpl-aa-1f2e3d", "phase": "overload", "role": "disconnect",
+                      "pipeline": "P-RLD-MD", "fallbacks": ["md_lost"], "ended": "client disconnected mid_stream"}
+    assert got[1]["replica"] == "MainDecode#y" and got[1]["ended"].startswith("no client record")
+    assert got[2] == {"replica": "Prefill#z", "request": None, "running": 2, "ended": "unknown"}
+    assert len(got) == 3

@@ -15,11 +15,13 @@ from evaluations.workloads import (
     TOKEN_LO,
     AgenticWorkload,
     BlockTokens,
+    ChatWorkload,
     HitDistribution,
     SweepWorkload,
     TraceError,
     TraceReplay,
     agentic_workload,
+    chat_workload,
     hit_stats,
     read_trace,
     simulate_hits,
@@ -94,6 +96,20 @@ def test_bad_agentic_shapes_are_refused():
         AgenticWorkload(system_tokens=3000)
     with pytest.raises(ValueError, match="anomalous_share"):
         AgenticWorkload(anomalous_share=1.5)
+
+
+def test_chat_conversations_share_the_system_prompt_and_nothing_else():
+    w = chat_workload(ChatWorkload(conversations=3, turns=4, system_tokens=800, context_tokens=300, turn_tokens=120,
+                                   max_tokens=48))
+    assert w.num_requests == 12 and not w.warmup and dict(w.params)["system_tokens"] == 800
+    firsts = [s.turns[0].tokens for s in w.sessions]
+    assert all(len(t) == 1220 for t in firsts) and all(t[:800] == firsts[0][:800] for t in firsts)
+    assert len({t[800:816] for t in firsts}) == 3  # each conversation's own context after it
+    assert all(len(t.tokens) == 120 and t.max_tokens == 48 and t.reset_to is None
+               for s in w.sessions for t in s.turns[1:])  # appended to the context and its answers
+    assert chat_workload(ChatWorkload(seed=1)) != chat_workload(ChatWorkload(seed=2))
+    with pytest.raises(ValueError, match="turn_tokens"):
+        ChatWorkload(turn_tokens=0)
 
 
 @pytest.mark.parametrize("hit", [0.0, 0.4, 0.95])

@@ -10,6 +10,7 @@ No Ray here. The serving layer composes these operations:
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -33,8 +34,10 @@ from pdd_serve.engine.kv import (
 )
 from pdd_serve.engine.model import AttnContext, LlamaModel, ModelArgs, load_model
 from pdd_serve.engine.protocol import ForwardWork
-from pdd_serve.engine.radix_cache import RadixCache
+from pdd_serve.engine.radix_cache import PrefixMatch, RadixCache
 from pdd_serve.engine.sampling import RequestError, SamplingParams, sample
+
+log = logging.getLogger("pdd_serve")
 
 
 @dataclass
@@ -122,6 +125,7 @@ class Engine:
         self.num_preempted = 0  # sequences waiting to resume (they go before new admissions)
         self._decoding: dict[int, Sequence] = {}  # id -> sequence that `step` decodes: preemptible
         self.preemptions = 0  # total, for stats and tests
+        self.context_mismatches = 0  # KV found not to be its request's context, recomputed (`check_context`)
         self.failed: str | None = None  # a request's error never breaks this engine (the seam's health)
         # told of every forward this engine runs (the seam's report, `protocol.ForwardWork`): an
         # emulated chip (`emulation.PacedEngine`) holds each call to the modeled time of that work
@@ -208,7 +212,7 @@ class Engine:
         if self.cache is None:
             return 0
         limit = seq.prompt_len - 1 if max_blocks is None else min(seq.prompt_len - 1, max_blocks * self.block_size)
-        m = self.cache.match_hashes(seq.chain(self.block_size, limit), limit)
+        m = self._checked(self.cache.match_hashes(seq.chain(self.block_size, limit), limit), seq)
         if m.hashes:
             self.pool.incref(m.values)
             self.cache.lock(m.hashes)
@@ -217,6 +221,20 @@ class Engine:
             seq.num_computed = m.num_tokens
         seq.prefix_hit_tokens = m.num_tokens
         return m.num_tokens
+
+    def _checked(self, m: PrefixMatch, seq: Sequence) -> PrefixMatch:
+        """A cached prefix is adopted only up to its first block that does not hold what the cache
+        names it (`check_context`'s test, at the other door): the rest is computed again."""
+        tags, refs = self.pool.tags, self.pool.refcount
+        good = next((i for i, (h, b) in enumerate(zip(m.hashes, m.values)) if tags[b] != h or refs[b] <= 0),
+                    len(m.hashes))
+        if good == len(m.hashes):
+            return m
+        self.context_mismatches += 1
+        log.error("%s: the prefix cache names block %d (pool block %d) by a chain its KV is not: adopting "
+                  "%d of %d cached blocks, computing the rest", seq.request_id, good, m.values[good], good, len(m.hashes))
+        self.cache.discard(m.hashes[good])  # nothing hits it again
+        return PrefixMatch(m.hashes[:good], m.values[:good], good * self.block_size)
 
     def append_tokens(self, seq: Sequence, token_ids: Iterable[int]) -> None:
         """Append committed tokens whose KV is not yet computed (fed by the next forward)."""
@@ -260,7 +278,8 @@ class Engine:
         seed), so its stream goes on with nothing lost or repeated."""
         assert seq.preempted and not seq.finished and not seq.block_table
         if self.cache is not None:  # reuse what survived of its blocks (not counted as a request's hit)
-            m = self.cache.match_hashes(seq.chain(self.block_size, len(seq.token_ids) - 1), record=False)
+            m = self._checked(self.cache.match_hashes(seq.chain(self.block_size, len(seq.token_ids) - 1),
+                                                      record=False), seq)
             if m.hashes:
                 self.pool.incref(m.values)
                 self.cache.lock(m.hashes)
@@ -355,8 +374,9 @@ class Engine:
         )
         ids = torch.tensor([[s.token_ids[-1]] for s in seqs], dtype=torch.long, device=dev)
         logits = self.model(ids, positions[:, None], self.pool, ctx)
-        for s in seqs:
+        for s, p in zip(seqs, pos):
             s.num_computed += 1
+            self._tag(s, p, p + 1)
         toks = self._append_sampled(seqs, logits)
         if self.on_forward is not None:  # after sampling: the step's tokens exist before its time is up
             self.on_forward(ForwardWork("decode", len(seqs), len(seqs), sum(pos), time.perf_counter() - t0))
@@ -389,6 +409,7 @@ class Engine:
         sample = sample and end == len(seq.token_ids)
         logits = self.model(ids, pos[None], self.pool, ctx) if sample else self.model.fill_kv(ids, pos[None], self.pool, ctx)
         seq.num_computed = end
+        self._tag(seq, start, end)
         tok = self._append_sampled([seq], logits)[0] if sample else None
         if self.on_forward is not None:
             self.on_forward(ForwardWork("prefill", 1, end - start, start, time.perf_counter() - t0))
@@ -427,12 +448,39 @@ class Engine:
             self.preempt(max(younger, key=lambda s: s.arrival))
         seq.block_table.extend(self.pool.allocate(need))
 
+    def _tag(self, seq: Sequence, start: int, end: int) -> None:
+        """Name the blocks that writing tokens [start, end) filled by the chain of their tokens."""
+        bs = self.block_size
+        lo, hi = start // bs, end // bs
+        if hi > lo:
+            chain = seq.chain(bs, hi * bs)
+            for i in range(lo, hi):
+                self.pool.tags[seq.block_table[i]] = chain[i]
+
+    def check_context(self, seq: Sequence) -> list[int]:
+        """The sequence's blocks that do not hold its own context: a full computed block whose tag
+        is not its chain hash, or any block the pool counts as free. Empty when the KV it holds is
+        exactly that of prompt + committed tokens (as far as blocks are named: a partial block has
+        no name yet). O(blocks): run before a decoder continues a request it did not start."""
+        n = num_full_blocks(seq.num_computed, self.block_size)
+        chain = seq.chain(self.block_size, n * self.block_size)
+        tags, refs = self.pool.tags, self.pool.refcount
+        return [i for i, b in enumerate(seq.block_table) if refs[b] <= 0 or (i < n and tags[b] != chain[i])]
+
+    def reset_kv(self, seq: Sequence) -> None:
+        """Drop the sequence's KV (nothing offered to the prefix cache): the next forward over its
+        tokens (`extend`) recomputes the whole context from the token ids."""
+        self._free_kv(seq, cache=False)
+        seq.num_computed = 0
+
     def _cache_blocks(self, seq: Sequence) -> None:
         """Offer the sequence's full computed blocks to the prefix cache and lock the ones it shares."""
         n = num_full_blocks(seq.num_computed, self.block_size)
         if n == 0:
             return
         hashes = seq.chain(self.block_size, n * self.block_size)
+        # the cache's insert never evicts the chain it just took (radix_cache.insert): the
+        # references below are taken before any eviction can give one back
         adopted = self.cache.insert(hashes, seq.block_table[:n])
         mine = [h for h, a in zip(hashes, adopted) if a]
         self.pool.incref([b for b, a in zip(seq.block_table, adopted) if a])
@@ -460,7 +508,10 @@ class Engine:
         if verify:
             blocks.verify()
         self._ensure_blocks(seq, end, preempt=True)
-        self.pool.load(seq.block_table[blocks.start_block : blocks.start_block + blocks.num_blocks], blocks)
+        ids = seq.block_table[blocks.start_block : blocks.start_block + blocks.num_blocks]
+        self.pool.load(ids, blocks)
+        for b, h in zip(ids, blocks.hashes):  # check_import matched every named block to our chain
+            self.pool.tags[b] = h
         seq.num_computed = end
 
     # ------------------------------------------------------------ convenience

@@ -200,6 +200,11 @@ class BlockPool:
 
     A block is owned by whoever holds a reference: running sequences and the prefix cache.
     It returns to the free list when its count drops to zero.
+
+    `tags[b]` names what a full block holds: the chain hash of the tokens whose KV was written
+    into it (0 while it is partial or newly allocated). A decoder that continues a request checks
+    its blocks' tags against the request's own chain (`Engine.check_context`): KV that was freed
+    and rewritten under it, or adopted under the wrong name, can't reach a client silently.
     """
 
     def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu") -> None:
@@ -209,6 +214,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.data = torch.zeros((num_blocks, *layout.block_shape), dtype=layout.torch_dtype, device=device)
         self.refcount = [0] * num_blocks
+        self.tags = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
 
     @property
@@ -221,6 +227,7 @@ class BlockPool:
         ids = [self._free.pop() for _ in range(n)]
         for i in ids:
             self.refcount[i] = 1
+            self.tags[i] = 0
         return ids
 
     def incref(self, ids: list[int]) -> None:

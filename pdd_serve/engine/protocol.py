@@ -75,6 +75,9 @@ class EngineBackend(Protocol):
     cache: CacheView | None  # None: no prefix cache (no DRC)
     on_forward: Callable[[ForwardWork], None] | None
     preemptions: int  # requests preempted for lack of KV blocks, in total (stats)
+    # KV found not to be its request's context (a cached prefix, a takeover's blocks) and
+    # recomputed from token ids instead: any count is a bug upstream (`check_context`)
+    context_mismatches: int
     # None while the engine can serve; else why it can't (a vLLM step that raised leaves vLLM's
     # scheduler state undefined): each call then raises, and the replica's check_health tells Serve
     # to replace it, so a broken engine fails requests over instead of decoding wrong tokens
@@ -112,6 +115,13 @@ class EngineBackend(Protocol):
 
     def import_kv(self, seq: Sequence, blocks: KVBlocks, verify: bool = True) -> None:
         """Load received blocks (checksums verified unless a hop already did) as computed KV."""
+
+    def check_context(self, seq: Sequence) -> list[int]:
+        """The request's blocks that do not hold its own context (prompt + committed tokens by
+        their hash chain); empty when all do. Run before a decoder continues a request."""
+
+    def reset_kv(self, seq: Sequence) -> None:
+        """Drop the request's KV: its next `extend` recomputes the whole context from token ids."""
 
     def warmup(self) -> None:
         """Run the first-call costs (kernels, allocations) before serving."""

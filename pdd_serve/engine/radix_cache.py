@@ -127,7 +127,13 @@ class RadixCache:
     def insert(self, hashes: list[int], values: list[int]) -> list[bool]:
         """Insert a chain of blocks. Returns, per block, whether the cache adopted `values[i]`
         (False: the block was already cached and the caller keeps ownership of its value).
-        A block whose parent is absent (evicted meanwhile) is not inserted."""
+        A block whose parent is absent (evicted meanwhile) is not inserted.
+
+        The budget is restored by evicting other blocks, never the chain just inserted: the caller
+        takes its references to the adopted values after this returns, and evicting one before
+        that would hand `on_evict` a value the cache never owned (the engine's pool would free a
+        block a running request still holds). Over budget, the chain stays until the next
+        eviction finds it unlocked."""
         assert len(hashes) == len(values)
         now = next(self._clock)
         adopted: list[bool] = []
@@ -145,7 +151,7 @@ class RadixCache:
                 self.stats.inserted_blocks += 1
                 adopted.append(True)
             parent = h
-        self.evict_to_budget()
+        self.evict_to_budget(keep=frozenset(hashes))
         return adopted
 
     def lock(self, hashes: list[int]) -> None:
@@ -159,13 +165,14 @@ class RadixCache:
             assert node.lock > 0, f"unlock of an unlocked block {h:#x}"
             node.lock -= 1
 
-    def evict_to_budget(self) -> int:
+    def evict_to_budget(self, keep: frozenset[int] = frozenset()) -> int:
         over = self.used_bytes - self.capacity_bytes
-        return self.evict(over) if over > 0 else 0
+        return self.evict(over, keep) if over > 0 else 0
 
-    def evict(self, nbytes: int) -> int:
-        """Evict LRU unlocked leaves until `nbytes` are freed or nothing evictable is left."""
-        heap = [(n.last_access, h) for h, n in self.nodes.items() if not n.children and n.lock == 0]
+    def evict(self, nbytes: int, keep: frozenset[int] = frozenset()) -> int:
+        """Evict LRU unlocked leaves (not in `keep`) until `nbytes` are freed or nothing evictable
+        is left."""
+        heap = [(n.last_access, h) for h, n in self.nodes.items() if not n.children and n.lock == 0 and h not in keep]
         heapq.heapify(heap)
         freed = 0
         while freed < nbytes and heap:
@@ -175,13 +182,34 @@ class RadixCache:
             siblings.discard(h)
             if node.parent != ROOT_HASH:
                 parent = self.nodes[node.parent]
-                if not parent.children and parent.lock == 0:
+                if not parent.children and parent.lock == 0 and parent.hash not in keep:
                     heapq.heappush(heap, (parent.last_access, parent.hash))
             if self.on_evict is not None:
                 self.on_evict(node.value)
             self.stats.evicted_blocks += 1
             freed += self.block_bytes
         return freed
+
+    def discard(self, h: int) -> int:
+        """Drop block `h` and every block cached under it (a block found not to hold the KV it is
+        named by: nothing may hit it again). Left in place while any of them is locked. Returns
+        the blocks dropped."""
+        if h not in self.nodes:
+            return 0
+        order, stack = [], [h]
+        while stack:
+            n = self.nodes[stack.pop()]
+            if n.lock:
+                return 0
+            order.append(n)
+            stack.extend(n.children)
+        for n in reversed(order):  # children first: each is a leaf when it goes
+            del self.nodes[n.hash]
+            (self.root_children if n.parent == ROOT_HASH else self.nodes[n.parent].children).discard(n.hash)
+            if self.on_evict is not None:
+                self.on_evict(n.value)
+            self.stats.evicted_blocks += 1
+        return len(order)
 
     def clear(self) -> None:
         self.evict(self.used_bytes)

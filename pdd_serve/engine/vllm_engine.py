@@ -164,6 +164,7 @@ class VllmEngine:
         self._base: dict[int, int] = {}  # id(seq) -> tokens its DRC hit left in vLLM's cache (held KV starts there)
         self.on_forward: Callable[[ForwardWork], None] | None = None
         self.preemptions = 0
+        self.context_mismatches = 0
         self.failed: str | None = None
         self.stop_ids = frozenset(self.args.eos_token_ids)
         self._arrivals = itertools.count()
@@ -236,6 +237,21 @@ class VllmEngine:
         self._base.pop(id(seq), None)
         if seq.finish_reason is None:
             seq.finish_reason = "abort"
+
+    def check_context(self, seq: Sequence) -> list[int]:
+        """vLLM's block manager owns the KV and names its blocks by its own hashes: PDD can't read
+        which tokens a vLLM block holds. What PDD hands vLLM is checked where it enters (the
+        import's hash chain; a DRC hit vLLM no longer finds is recomputed: `drc_lost`)."""
+        return []
+
+    def reset_kv(self, seq: Sequence) -> None:
+        """Forget the KV held for the request: its next forward submits every token id to vLLM."""
+        live = self._live.pop(id(seq), None)
+        if live is not None:
+            self._end(live)
+        self._held.pop(id(seq), None)
+        self._base.pop(id(seq), None)
+        seq.num_computed = 0
 
     # ------------------------------------------------------------ compute
 

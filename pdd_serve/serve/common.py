@@ -10,6 +10,7 @@ from pdd_serve.engine.protocol import EngineBackend
 
 if TYPE_CHECKING:  # engines load in the engine roles only: a Router replica never imports torch
     from pdd_serve.emulation import Emulation
+    from pdd_serve.engine.engine import Sequence
 
 logger = logging.getLogger("pdd_serve")
 
@@ -80,6 +81,22 @@ def check_engine(engine: EngineBackend) -> None:
     replace the replica (its requests fail over: P retries, MD migrates by token ids)."""
     if engine.failed is not None:
         raise RuntimeError(f"engine failed: {engine.failed}")
+
+
+def take_over(engine: EngineBackend, seq: Sequence, token_ids: list[int], who: str, came_from: str) -> int:
+    """On the engine thread: a decoder continues a request it did not start (MD after a handoff or
+    a migration, the relay after a fallback). The KV it holds must be exactly that of the request's
+    prompt + committed tokens, block by block by their hash chain (`check_context`); on a mismatch
+    the KV is dropped and counted, and the extend recomputes the whole context from the token ids
+    instead of decoding from a wrong one. Then one extend over `token_ids`; returns the next token."""
+    bad = engine.check_context(seq)
+    if bad:
+        logger.error("%s: %s holds KV that is not its own context in %d blocks (first %s; %s): recomputing "
+                     "%d tokens from their ids", who, seq.request_id, len(bad), bad[:4], came_from,
+                     len(seq.token_ids) + len(token_ids))
+        engine.context_mismatches += 1
+        engine.reset_kv(seq)
+    return engine.extend(seq, token_ids)
 
 
 def emulation_stats(engine: EngineBackend) -> dict:

@@ -15,7 +15,7 @@ from pdd_serve.engine.engine import Sequence
 from pdd_serve.engine.kv import blocks_needed
 from pdd_serve.engine.scheduler import EngineWorker
 from pdd_serve.metrics import ReplicaGauges
-from pdd_serve.serve.common import check_engine, emulation_stats, load_engine, logger, placement
+from pdd_serve.serve.common import check_engine, emulation_stats, load_engine, logger, placement, take_over
 from pdd_serve.serve.messages import GenRequest, KVReady, MDPrepareReply, MDView, ReplicaStats, TokenChunk
 from pdd_serve.serve.pinning import ROUTER_CLASS, ReplicaGone, check_pin, this_replica
 from pdd_serve.serve.tasks import _spawn
@@ -266,7 +266,9 @@ class MainDecode:
         have = len(seq.output_ids)
         if seq.output_ids != list(committed[:have]):
             raise MDRequestError(f"{seq.request_id}: MD holds tokens that differ from the committed stream")
-        return self.engine.extend(seq, list(committed[have:]))
+        hit = seq.prefix_hit_tokens
+        return take_over(self.engine, seq, list(committed[have:]), f"MainDecode {self.replica}",
+                         f"DRC hit {hit} tokens, {seq.num_computed - hit} imported or handed off")
 
     async def absorb(self, request_id: str, output_ids: list[int], timeout_s: float) -> bool:
         """The relay finished a request before the handoff: build the output's KV anyway so MD's
@@ -320,7 +322,9 @@ class MainDecode:
         return ReplicaStats("main_decode", len(self.seqs), e.pool.num_free, e.pool.num_blocks,
                             e.cache.num_blocks if e.cache else 0, e.cache.stats.hit_rate if e.cache else 0.0,
                             {"flight": self.flight.location, "replica": self.replica, "calls": len(self._calls),
-                             "registering": len(self._registered), "pin_refusals": self.pin_refusals, "worker_running": self.worker.num_running,
+                             "registering": len(self._registered), "pin_refusals": self.pin_refusals,
+                             "context_mismatches": e.context_mismatches, "held": sorted(self.seqs),
+                             "worker_running": self.worker.num_running,
                              "flight_bytes_reserved": self.flight.bytes_reserved, "started_at": self.started_at,
                              "preemptions": e.preemptions, **emulation_stats(e),
                              **self.where})

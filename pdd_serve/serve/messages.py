@@ -11,6 +11,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdd_serve.engine.blocks import PoolFullError
 from pdd_serve.engine.sampling import SamplingParams
 
 
@@ -22,6 +23,14 @@ class RelaySaturated(RuntimeError):
 class PrefillBusy(RuntimeError):
     """A Prefill replica's queue would not reach this prompt within its budget (`prefill_admits`):
     the router tries again (another replica, or after a pause) and otherwise sheds it with a 503."""
+
+
+class PrefillSendFull(PoolFullError):
+    """A Prefill replica's buffer of KV waiting for the line is full (`Prefill.send_cap`)."""
+
+
+class PrefillPoolFull(PoolFullError):
+    """A Prefill replica's own KV pool can't take the prompt now."""
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ store for Relay and streams the blocks MD lacks to MD over Flight, in parallel, 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import queue
 import threading
@@ -17,22 +18,25 @@ from ray import serve
 from pdd_serve.config import PDDConfig
 from pdd_serve.engine.engine import Sequence
 from pdd_serve.engine.kv import KVBlocks, PoolFullError, blocks_needed, num_full_blocks
+from pdd_serve.engine.sampling import RequestError, SamplingParams
 from pdd_serve.engine.scheduler import EngineWorker
-from pdd_serve.policy import prefill_admits, wan_backlog
+from pdd_serve.policy import PREFILL_ADMIT_SHARE, PrefillCost, fit_prefill_cost, prefill_admits, wan_backlog
 from pdd_serve.serve.common import check_engine, emulation_stats, load_engine, logger, placement
 from pdd_serve.serve.messages import (
     GenRequest,
     KVTarget,
     LineState,
     PrefillBusy,
+    PrefillPoolFull,
     PrefillRequest,
     PrefillResult,
+    PrefillSendFull,
     ReplicaStats,
 )
 from pdd_serve.serve.pinning import ROUTER_CLASS, this_replica
 from pdd_serve.transport.link import BW_SAMPLE_MIN_BYTES, BandwidthEstimator
 
-RATE_WINDOW = 32  # recent prefills the replica's prompt rate is measured over
+COST_WINDOW = 32  # recent prefills the replica's prefill cost is fitted over
 MAX_SENDERS = 32  # KV transfers a Prefill replica runs at once (more share the line no faster)
 PREFILL_CHUNK_TOKENS = 256  # blocks of a chunk leave for MD while the next chunk computes
 
@@ -145,11 +149,13 @@ class Prefill:
         self.send_refused = 0  # prefills refused because that buffer was full
         self.prefilling = 0  # prefill calls in progress (the routing stats' load)
         self.abandoned = 0  # prefills stopped early: past the router's budget, or the caller gone
-        # admission (`policy.prefill_admits`): prompt tokens of the prefills this replica has taken
-        # and not finished, against its measured rate; past the budget a prefill is refused at once
+        # admission (`policy.prefill_admits`): the prefills this replica has taken and not finished
+        # and the prompt tokens they compute, at its fitted cost; past the budget one is refused at once
+        self.queued = 0
         self.queued_tokens = 0
         self.shed = 0  # prefills refused that way
-        self._done: deque[tuple[int, float]] = deque(maxlen=RATE_WINDOW)  # (prompt tokens, engine seconds)
+        self._done: deque[tuple[int, float]] = deque(maxlen=COST_WINDOW)  # (tokens computed, engine seconds)
+        self._calibration: list[tuple[int, float]] = []  # (`_calibrate`) taken before the first prefill
         self.replica = this_replica()
         self._send_lock = threading.Lock()
         # one bounded pool of sender threads per replica, not a thread per transfer: past
@@ -167,25 +173,64 @@ class Prefill:
         # a duplicate of its work running. The budget counts from the call's arrival: time queued
         # behind a burst for admission is spent from it too
         stop = _Stop(None if preq.budget_s is None else time.monotonic() + preq.budget_s)
-        n = len(req.prompt_token_ids)
-        rate = self.tokens_per_s
-        if not prefill_admits(self.queued_tokens, n, rate, preq.budget_s):
+        n = self._to_compute(req)
+        cost = self.cost
+        if not prefill_admits(self.queued, self.queued_tokens, n, cost, preq.budget_s):
             self.shed += 1
-            raise PrefillBusy(f"this Prefill replica has {self.queued_tokens} prompt tokens queued (~"
-                              f"{self.queued_tokens / rate:.1f}s at {rate:.0f} tokens/s): {req.request_id} would not "
-                              f"finish within its {preq.budget_s:.1f}s budget; retry later")
+            ahead = cost.seconds(self.queued, self.queued_tokens)
+            raise PrefillBusy(f"Prefill's queue is past the budget: {self.queued} prefills queued ahead, "
+                              f"{self.queued_tokens} prompt tokens to compute, ~{ahead:.3g}s at "
+                              f"{cost.fixed_s * 1e3:.3g} ms + {cost.per_token_s * 1e3:.3g} ms/token; "
+                              f"{req.request_id}'s {n} tokens would end at ~{ahead + cost.seconds(1, n):.3g}s, past "
+                              f"{PREFILL_ADMIT_SHARE:g} of its {preq.budget_s:.3g}s budget; retry later")
+        self.queued += 1
         self.queued_tokens += n
         try:
             return await self._prefill_admitted(preq, stop)
         finally:
+            self.queued -= 1
             self.queued_tokens -= n
 
     @property
-    def tokens_per_s(self) -> float | None:
-        """Prompt tokens per second of engine time over the last prefills (None before any)."""
-        done = list(self._done)  # appended on the engine thread
-        seconds = sum(s for _, s in done)
-        return sum(n for n, _ in done) / seconds if done and seconds > 0 else None
+    def cost(self) -> PrefillCost | None:
+        """Engine time per prefill, fitted over the last prefills and the calibration."""
+        return fit_prefill_cost(list(self._done), self._calibration)  # both set on the engine thread
+
+    def _to_compute(self, req: GenRequest) -> int:
+        """The prompt tokens a prefill of `req` would compute now: its prompt less the leading
+        blocks this replica's prefix cache holds. Read off the engine thread (one membership test
+        per block): an estimate, which an insert or eviction meanwhile may change."""
+        n = len(req.prompt_token_ids)
+        nodes = self.engine.cache.nodes if self.engine.cache is not None else {}
+        hit = next((i for i, h in enumerate(req.block_hashes) if h not in nodes), len(req.block_hashes))
+        return max(1, n - hit * self.engine.block_size)  # at least one token is always computed
+
+    def _calibrate(self) -> list[tuple[int, float]]:
+        """On the engine thread, before the first prefill: this engine's prefill time at two sizes,
+        one block and one chunk (the faster of two runs each: a shape's first run pays one-off
+        costs). Every fit (`cost`) has them, so the per-token part is measured on more than one
+        size from the start, whatever sizes the traffic brings. Not in `__init__`: there the
+        graph's other replicas load and warm up on the same cores, and a calibration measured 24x
+        this engine's time (180 ms + 6.2 ms/token, against 6 ms + 0.26), which refused a fresh
+        graph's first prompts. Uncached: the second run of a size starts one token later. A pool
+        too full to calibrate leaves it to the next prefill; with none, the fit has the samples."""
+        out = []
+        for n in (self.engine.block_size, PREFILL_CHUNK_TOKENS):
+            runs = []
+            for i in range(2):
+                try:
+                    seq = self.engine.add(f"calibrate-{n}-{i}", [3 + (t + i) % 250 for t in range(n)],
+                                          SamplingParams(1, ignore_eos=True))
+                except (PoolFullError, RequestError):  # full now, or a model whose context is shorter
+                    return []
+                try:
+                    t0 = time.perf_counter()
+                    self.engine.prefill(seq, use_cache=False, chunk_tokens=PREFILL_CHUNK_TOKENS)
+                    runs.append(time.perf_counter() - t0)
+                finally:
+                    self.engine.release(seq, cache=False)
+            out.append((n, min(runs)))
+        return out
 
     async def _prefill_admitted(self, preq: PrefillRequest, stop: _Stop) -> PrefillResult:
         from pdd_serve.transport.object_store import put_kv
@@ -250,10 +295,10 @@ class Prefill:
         with self._send_lock:
             if self.send_buffered and self.send_buffered + need > cap:
                 self.send_refused += 1
-                raise PoolFullError(f"this Prefill replica holds {self.send_buffered} bytes of KV still on the line "
-                                    f"(its cap {cap}: flight.send_buffer_bytes, or what the line drains within "
-                                    f"policy.kv_wait_timeout_s): {req.request_id} is retried "
-                                    "elsewhere or later")
+                raise PrefillSendFull(f"this Prefill replica holds {self.send_buffered} bytes of KV still on the "
+                                      f"line (its cap {cap}: flight.send_buffer_bytes, or what the line drains "
+                                      f"within policy.kv_wait_timeout_s): {req.request_id} is retried "
+                                      "elsewhere or later")
             self.send_buffered += need
         return need
 
@@ -281,7 +326,10 @@ class Prefill:
         except PrefillAbandoned:
             self.abandoned += 1
             raise
-        return self.engine.add(req.request_id, list(req.prompt_token_ids), req.params, req.block_hashes)
+        try:
+            return self.engine.add(req.request_id, list(req.prompt_token_ids), req.params, req.block_hashes)
+        except PoolFullError as e:  # named as Prefill's pool for the Router's 503
+            raise PrefillPoolFull(str(e)) from None
 
     def _prefill_once(self, seq: Sequence, on_chunk: Callable[[Sequence], None],
                       to_relay: bool, stop: _Stop | None = None) -> tuple[int, str | None, KVBlocks | None]:
@@ -292,9 +340,11 @@ class Prefill:
             if stop is not None:  # queued behind a burst past its budget, or its caller gone: skip it
                 stop.started = True
                 stop.check(seq.request_id)
+            if not self._calibration:
+                self._calibration = self._calibrate()
             t0 = time.perf_counter()
             first = self.engine.prefill(seq, chunk_tokens=PREFILL_CHUNK_TOKENS, on_chunk=on_chunk)
-            self._done.append((seq.prompt_len, time.perf_counter() - t0))
+            self._done.append((seq.prompt_len - seq.prefix_hit_tokens, time.perf_counter() - t0))
             finish = seq.finish_reason  # read before release, which marks unfinished sequences aborted
             return first, finish, (self.engine.export_kv(seq) if to_relay else None)
         except PrefillAbandoned:
@@ -379,12 +429,13 @@ class Prefill:
         check_engine(self.engine)
 
     def stats(self) -> ReplicaStats:
-        e = self.engine
+        e, cost = self.engine, self.cost
         with self._send_lock:  # one consistent snapshot of the sender threads' counters
             transfers = dict(self.transfers)
         return ReplicaStats("prefill", self.worker.num_running, e.pool.num_free, e.pool.num_blocks,
                             e.cache.num_blocks, e.cache.stats.hit_rate,
-                            {**transfers, "prefills_abandoned": self.abandoned, "send_buffered_bytes": self.send_buffered,
+                            {**transfers, "prefills_abandoned": self.abandoned, "context_mismatches": e.context_mismatches, "send_buffered_bytes": self.send_buffered,
                              "send_cap_bytes": self.send_cap(),
-                             "send_refused": self.send_refused, "prefills_shed": self.shed, "queued_tokens": self.queued_tokens,
-                             "prompt_tokens_per_s": self.tokens_per_s, **emulation_stats(e), **self.where})
+                             "send_refused": self.send_refused, "prefills_shed": self.shed, "queued_prefills": self.queued,
+                             "queued_tokens": self.queued_tokens, "prefill_cost": cost and dataclasses.asdict(cost),
+                             **emulation_stats(e), **self.where})

@@ -15,7 +15,7 @@ from ray import serve
 from pdd_serve.config import PDDConfig
 from pdd_serve.engine.scheduler import EngineWorker
 from pdd_serve.metrics import ReplicaGauges
-from pdd_serve.serve.common import check_engine, emulation_stats, load_engine, logger, placement
+from pdd_serve.serve.common import check_engine, emulation_stats, load_engine, logger, placement, take_over
 from pdd_serve.serve.messages import RelayRequest, RelaySaturated, ReplicaStats, TokenChunk
 from pdd_serve.serve.pinning import ROUTER_CLASS
 
@@ -81,7 +81,8 @@ class Relay:
             await self.worker.call(self.engine.import_kv, seq, blocks, verify=False)  # get_kv verified them
             del blocks
             if len(rreq.committed) > 1:  # taking over mid-stream (a fallback): rebuild from token ids
-                tok = await self.worker.call(self.engine.extend, seq, list(rreq.committed))
+                tok = await self.worker.call(take_over, self.engine, seq, list(rreq.committed), "Relay",
+                                             f"{seq.num_computed} prompt tokens from the object store")
                 self.tokens_generated += 1
                 if seq.finish_reason is not None:
                     final = TokenChunk([tok], seq.finish_reason)
@@ -99,8 +100,10 @@ class Relay:
                             break
                         yield TokenChunk(step.token_ids)
         finally:
-            await self.worker.release(seq, cache=False)
-            self.live.discard(req.request_id)
+            try:  # the release is shielded, but a cancel still interrupts this await: discard regardless
+                await self.worker.release(seq, cache=False)
+            finally:
+                self.live.discard(req.request_id)
         if final is not None:  # after the release: nothing is left to clean once the caller has it
             yield final
 
@@ -156,4 +159,5 @@ class Relay:
         return ReplicaStats("relay", len(self.live), e.pool.num_free, e.pool.num_blocks,
                             extra={"tokens_generated": self.tokens_generated, "live": sorted(self.live),
                                    "peak_live": self.peak_live, "max_running": self.max_running,
+                                   "context_mismatches": e.context_mismatches,
                                    "preemptions": e.preemptions, **emulation_stats(e), **self.where})

@@ -17,7 +17,7 @@ from typing import Any
 from pdd_serve.engine.blocks import PoolFullError, block_hashes
 from pdd_serve.engine.sampling import RequestError
 from pdd_serve.serve.backends import MDKey
-from pdd_serve.serve.messages import GenRequest, PrefillBusy, RelaySaturated
+from pdd_serve.serve.messages import GenRequest, PrefillBusy, PrefillPoolFull, PrefillSendFull, RelaySaturated
 
 
 class RelayLost(RuntimeError):
@@ -41,6 +41,41 @@ def is_request_error(e: BaseException) -> bool:
 def is_overloaded(e: BaseException) -> bool:
     """A pool could not admit the request now (PoolFullError): retry later, not a dead replica."""
     return any(isinstance(x, (PoolFullError, Overloaded, RelaySaturated, PrefillBusy)) for x in (e, _cause(e)))
+
+
+# what refused an overloaded request, by the refusal's type: (type, reason, what the client is
+# told). The reason is `pdd_rejected_total`'s label and the Router's log line's
+REFUSALS: tuple[tuple[type[BaseException], str, str], ...] = (
+    (PrefillBusy, "prefill_queue", "Prefill's queue would not reach the prompt within its budget"),
+    (PrefillSendFull, "prefill_send_buffer", "Prefill's buffer of KV waiting for the inter-site line is full"),
+    (PrefillPoolFull, "prefill_kv_pool", "Prefill's KV pool is full"),
+    # admitted, then still queued in Prefill when its budget ran out: the same overload, found late
+    (TimeoutError, "prefill_timeout", "the prompt waited in Prefill's queue past its budget"),
+    (RelaySaturated, "relay", "the relay pool is at policy.relay_max_running"),
+)
+# Prefill's refusals all have their own types: the rest are the decode side's pools
+DECODE_REFUSAL = ("decode_kv_pool", "every main decode KV pool that could take the request is full")
+
+
+def refusal(e: BaseException) -> tuple[str, str, str]:
+    """(reason, what the client is told, the refusal's own words) of an overloaded request: the
+    first refusal of a known type down its explicit causes (`raise ... from`, Ray's `cause`),
+    else the decode side's. For Prefill's queue, its words give the estimate."""
+    x: BaseException | None = e
+    last = e
+    for _ in range(16):  # a chain is a few links: bounded all the same
+        if x is None:
+            break
+        last = x
+        inner = getattr(x, "cause", None)
+        if isinstance(inner, BaseException):  # Ray's wrapper: its cause holds the replica's own words
+            x = inner
+            continue
+        for kind, reason, told in REFUSALS:
+            if isinstance(x, kind):
+                return reason, told, str(x)
+        x = x.__cause__
+    return (*DECODE_REFUSAL, str(last))
 
 
 def _relay_fault(e: BaseException) -> str:

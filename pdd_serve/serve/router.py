@@ -27,7 +27,7 @@ from pdd_serve.serve.crosssite import STREAM_QUEUE_BOUND, site_handle
 from pdd_serve.serve.messages import GenRequest
 from pdd_serve.serve.orchestrator import Orchestrator
 from pdd_serve.serve.pinning import ReplicaGone, live_replicas, pin, replica_stats, this_replica
-from pdd_serve.serve.request_state import RequestState, is_overloaded
+from pdd_serve.serve.request_state import RequestState, is_overloaded, refusal
 
 api = FastAPI(title="pdd_serve", description="PDD: Prefill -> Relay decode -> Main decode, OpenAI-compatible API")
 POOL_FULL_RETRY_AFTER_S = 1.0  # a pool frees as its requests finish: seconds, not minutes
@@ -36,11 +36,11 @@ POOL_FULL_RETRY_AFTER_S = 1.0  # a pool frees as its requests finish: seconds, n
 def client_error(e: BaseException, request_id: str) -> oai.APIError:
     """What a client sees of a failed request: 503 + Retry-After when the graph is at capacity
     (every KV pool that could take it was full, or Prefill's queue would not reach it within its
-    budget: not a fault, retry), a 400 for a request the engine refuses, a generic 500 naming the
-    request id otherwise (oai.internal_error)."""
+    budget: not a fault, retry), naming what refused it (`refusal`), a 400 for a request the
+    engine refuses, a generic 500 naming the request id otherwise (oai.internal_error)."""
     if is_overloaded(e):
-        return oai.APIError(503, "overloaded_error", "the graph is at capacity now (every KV pool that could serve "
-                            "this request is full, or prefill's queue is past its budget); retry later",
+        reason, told, _ = refusal(e)
+        return oai.APIError(503, "overloaded_error", f"the graph is at capacity now: {told} ({reason}); retry later",
                             code="pool_full", retry_after=POOL_FULL_RETRY_AFTER_S)
     return oai.internal_error(e, request_id)
 
@@ -244,6 +244,8 @@ class Router:
             oai.check_api_key(request.headers, self.cfg.server)
             if self.in_flight >= self.cfg.server.max_queue:
                 self.metrics.rejected.inc(tags={"reason": "queue_full"})
+                logger.warning("a request refused (503, queue_full): the router has %d requests in flight "
+                               "(server.max_queue)", self.in_flight)
                 raise oai.APIError(503, "overloaded_error", f"the router has {self.in_flight} requests in flight "
                                    f"(server.max_queue); retry later", retry_after=1.0)
         except oai.APIError as e:
@@ -280,7 +282,6 @@ class Router:
         except StopAsyncIteration:
             head = []
         except Exception as e:
-            logger.exception("request %s failed", st.gen.request_id)
             err = self._refused(e, st)
             return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
         return StreamingResponse(self._stream(creq, st, rid, head, tokens), media_type="text/event-stream")
@@ -293,9 +294,16 @@ class Router:
         return creq, tuple(block_hashes(list(creq.prompt_token_ids), self.cfg.model.block_size))
 
     def _refused(self, e: BaseException, st: RequestState) -> oai.APIError:
+        """The client's answer to a failed request, logged: a 503 as one line naming what refused
+        it, in the refusal's own words (Prefill's: its queue, its cost estimate, the budget),
+        counted by reason in `pdd_rejected_total`; any other failure with its traceback."""
         err = client_error(e, st.gen.request_id)
         if err.status == 503:
-            self.metrics.rejected.inc(tags={"reason": "pool_full"})
+            reason, _, words = refusal(e)
+            logger.warning("request %s refused (503, %s): %s", st.gen.request_id, reason, words)
+            self.metrics.rejected.inc(tags={"reason": reason})
+        else:
+            logger.error("request %s failed", st.gen.request_id, exc_info=e)
         return err
 
     async def _tokens(self, creq: oai.CompletionRequest, st: RequestState) -> AsyncIterator[tuple[str, int | None]]:
@@ -334,7 +342,6 @@ class Router:
                 if tok is not None:
                     ids.append(tok)
         except Exception as e:
-            logger.exception("request %s failed", st.gen.request_id)
             err = self._refused(e, st)  # no exception text to the client
             return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
         body = oai.completion_response(rid, self.created, creq.model, creq.kind, "".join(parts),
@@ -378,6 +385,5 @@ class Router:
                 yield oai.sse(oai.usage_chunk(rid, self.created, creq.model, creq.kind, len(creq.prompt_token_ids),
                                               len(st.committed)))
         except Exception as e:  # headers are sent: report in-band, OpenAI style
-            logger.exception("stream %s failed", st.gen.request_id)
             yield oai.sse(self._refused(e, st).body())  # no exception text to the client
         yield oai.SSE_DONE
