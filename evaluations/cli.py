@@ -114,8 +114,8 @@ def _add_demo(p: argparse.ArgumentParser) -> None:
 
 def _run_demo(args: argparse.Namespace) -> int:
     from evaluations.demo import run_demo
-    from pdd_serve.cluster import ClusterError
-    from pdd_serve.demo import DemoError
+    from pdd_serve.cluster.deploy import DemoError
+    from pdd_serve.cluster.local import ClusterError
 
     if args.sessions <= 0 or args.turns <= 0:
         raise _usage("pdd demo: error: --sessions and --turns must be > 0")
@@ -252,11 +252,11 @@ def _run_compare(args: argparse.Namespace) -> int:
     from evaluations.compare import CompareConfig, run_compare
     from evaluations.cost import CatalogError
     from evaluations.harness import DEFAULT_GRAPHS, SHAPED_GRAPHS, EvalError
-    from pdd_serve.cluster import ClusterError
+    from pdd_serve.cluster.local import ClusterError
 
     scenario = None
     if args.emulate:
-        from evaluations.emulated import ScenarioError, load_scenario
+        from evaluations.sim.emulated import ScenarioError, load_scenario
 
         try:
             scenario = load_scenario(args.emulate)
@@ -336,7 +336,7 @@ def _run_sweep(args: argparse.Namespace) -> int:
     from evaluations.cost import CatalogError
     from evaluations.harness import EvalError
     from evaluations.sweep import SweepConfig, run_sweep
-    from pdd_serve.cluster import ClusterError
+    from pdd_serve.cluster.local import ClusterError
 
     try:
         points = tuple(float(x) for x in args.points.split(",") if x.strip())
@@ -457,7 +457,7 @@ def _run_scale(args: argparse.Namespace) -> int:
     from evaluations.harness import EvalEnv, EvalError, parse_link
     from evaluations.loadgen import SLA, LoadConfig
     from evaluations.scale import ScaleConfig, run_scale
-    from pdd_serve.cluster import ClusterError
+    from pdd_serve.cluster.local import ClusterError
 
     try:
         cfg = ScaleConfig(graph=args.graph, rate_before=args.rate_before, rate_after=args.rate_after,

@@ -78,7 +78,7 @@ class CompareConfig:
     out_dir: str | None = None  # local copies of plots/tables; default .pdd/eval/<experiment>-<time>
     progress: bool = True
     stream_first_token: bool = False  # one first-token convention for every graph (default: PD's)
-    emulate: Any = None  # an EmulatedScenario (evaluations/emulated.py): emulated chips, slow motion
+    emulate: Any = None  # an EmulatedScenario (evaluations/sim/emulated.py): emulated chips, slow motion
     command: str | None = None  # the command line that ran it (`pdd compare ...`), printed with its results
 
     def __post_init__(self) -> None:
@@ -312,8 +312,8 @@ def emulated_headline(results: Mapping[str, GraphResult], summaries: Mapping[str
     """The emulated keys of the JSON line: what was emulated, each ratio's median over repeats and
     its spread, BCR on the emulated chips' prices, and the pacers' overrun per step kind."""
 
-    from evaluations.emulated import cost_per_hour, ratio, repeat_ratios, role_chips, spread
-    from pdd_serve.emulation import OVERRUN_WARN_SHARE, merge_stats, overrun_warning
+    from evaluations.sim.emulated import cost_per_hour, ratio, repeat_ratios, role_chips, spread
+    from pdd_serve.emulation.pacer import OVERRUN_WARN_SHARE, merge_stats, overrun_warning
 
     sc = cfg.emulate
     for name, res in results.items():
@@ -424,7 +424,7 @@ def add_sim_predictions(head: dict[str, Any], sim: Mapping[str, Any]) -> None:
     """The simulator's replay of the same requests beside the measurement: `sim_<ratio>` for each
     headline ratio and the largest relative error over P50/P90 TTFT and goodput of every graph
     with goodput (where goodput is zero, SLA attainment within 0.05 absolute instead)."""
-    from evaluations.emulated import repeat_ratios
+    from evaluations.sim.emulated import repeat_ratios
 
     pred = {g: v["predicted"] for g, v in sim.items()}
     costs = head.get("emulated_cost_per_hour", {})
@@ -503,7 +503,7 @@ def run_compare(workload: Workload, cfg: CompareConfig = CompareConfig(),
     for g in graphs:
         hardware_cost(g.cfg, site_chips, catalog)  # an unknown chip fails now, not after the runs
     if cfg.emulate is not None:
-        from evaluations.emulated import pacer_stats_of_running_graph
+        from evaluations.sim.emulated import pacer_stats_of_running_graph
 
         if cfg.load.time_scale != cfg.emulate.time_scale:
             raise EvalError(f"the load runs at time_scale {cfg.load.time_scale}, the scenario at {cfg.emulate.time_scale}")
@@ -551,7 +551,7 @@ def run_compare(workload: Workload, cfg: CompareConfig = CompareConfig(),
     if cfg.emulate is not None:
         head.update(emulated_headline(results, summaries, cfg))
         try:  # the simulator replays the same requests on the same scenario (a failure costs only this)
-            from evaluations.emulated import simulate_records
+            from evaluations.sim.emulated import simulate_records
 
             rows = [row for res in results.values() for row in res.rows()]
             over = head.get("software_overhead_ms_p50")

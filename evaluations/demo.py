@@ -2,7 +2,7 @@
 agentic workload, with a summary of what PDD did per pipeline.
 
 An evaluations command (registered in evaluations/cli.py's EVAL_COMMANDS): the workload and the
-load driver are the evaluations' own; deploying and shutting down come from pdd_serve.demo."""
+load driver are the evaluations' own; deploying and shutting down come from pdd_serve.cluster.deploy."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from typing import Any
 
 from evaluations.loadgen import drive, percentile
 from evaluations.workloads import AgenticWorkload, agentic_workload
-from pdd_serve.cluster import LocalClusterConfig, cluster_down, cluster_up, driver_env
+from pdd_serve.cluster.deploy import DemoError, deploy_graph, shutdown_serve
+from pdd_serve.cluster.local import LocalClusterConfig, cluster_down, cluster_up, driver_env
 from pdd_serve.config import ConfigError, load_graph_yaml
-from pdd_serve.demo import DemoError, deploy_graph, shutdown_serve
 
 
 def summarize(records: list[Any]) -> list[dict[str, Any]]:

@@ -60,8 +60,8 @@ class EvalEnv:
 @contextlib.contextmanager
 def eval_cluster(env: EvalEnv, log: Callable[[str], None] = log_err) -> Iterator[dict[str, str]]:
     """Yields the driver environment for `serve run`; Serve is shut down at the end either way."""
-    from pdd_serve.cluster import LocalClusterConfig, cluster_down, cluster_up, driver_env
-    from pdd_serve.demo import shutdown_serve
+    from pdd_serve.cluster.deploy import shutdown_serve
+    from pdd_serve.cluster.local import LocalClusterConfig, cluster_down, cluster_up, driver_env
 
     if env.use_running_cluster:
         if not os.environ.get("RAY_ADDRESS"):
@@ -174,7 +174,7 @@ def prepare_graphs(paths: Sequence[str | Path], out_dir: Path, http_port: int, l
         if cross:
             args["link"] = link if link is not None else default_link()
         args.setdefault("policy", {})["stream_first_token"] = stream_first_token
-        if emulate is not None:  # an EmulatedScenario (evaluations/emulated.py): chips per graph
+        if emulate is not None:  # an EmulatedScenario (evaluations/sim/emulated.py): chips per graph
             args["emulate"] = emulate.emulate_block(str(args.get("graph", p.stem)))
         if "expose_cache_hits" in {f.name for f in dataclasses.fields(ServerConfig)}:
             args.setdefault("server", {})["expose_cache_hits"] = True  # the compare reads hit rates
@@ -226,7 +226,7 @@ def link_params(g: PreparedGraph) -> dict[str, Any]:
     """The emulated link as MLflow params (what was configured and what it amounts to)."""
     out: dict[str, Any] = {"link": json.dumps(g.link, sort_keys=True) if not isinstance(g.link, str) else g.link}
     try:
-        from pdd_serve.models import SPEC_FILE, default_model_path
+        from pdd_serve.checkpoints import SPEC_FILE, default_model_path
 
         spec = json.loads((default_model_path() / SPEC_FILE).read_text()) if g.cfg.model.path == "default" else {}
         kv = int(spec.get("kv_bytes_per_token_fp32", 2048))
@@ -286,7 +286,7 @@ def run_graph(graph: PreparedGraph, denv: dict[str, str], workloads: Sequence[Wo
               before_shutdown: Callable[[PreparedGraph], None] | None = None) -> list[list[RequestRecord]]:
     """Deploy one graph, drive each workload through it in order, shut it down (`before_shutdown`
     reads what the live graph knows, e.g. the emulated engines' overrun)."""
-    from pdd_serve.demo import DemoError, deploy_graph, shutdown_serve
+    from pdd_serve.cluster.deploy import DemoError, deploy_graph, shutdown_serve
 
     shutdown_serve(denv)  # whatever ran before (a crashed earlier run, another app) goes
     try:

@@ -636,8 +636,8 @@ def _warm(url: str, cfg: ScaleConfig, system: tuple[int, ...], rng: random.Rando
 
 def reference_outputs(records: Sequence[ScaleRecord], max_tokens: int, batch: int = 32) -> list[list[int]]:
     """One engine's greedy output for every request's prompt."""
+    from pdd_serve.checkpoints import default_model_path
     from pdd_serve.engine import Engine, SamplingParams
-    from pdd_serve.models import default_model_path
 
     eng = Engine.from_pretrained(default_model_path())
     out: list[list[int]] = []
@@ -649,7 +649,7 @@ def reference_outputs(records: Sequence[ScaleRecord], max_tokens: int, batch: in
 
 def run_scale(cfg: ScaleConfig = ScaleConfig(), log: Callable[[str], None] = log_err) -> dict[str, Any]:
     """Run the evaluation; print the table and the JSON line; return {phases, headline, ...}."""
-    from pdd_serve.demo import DemoError, deploy_graph, shutdown_serve
+    from pdd_serve.cluster.deploy import DemoError, deploy_graph, shutdown_serve
 
     out_dir = Path(cfg.out_dir or f".pdd/eval/{cfg.experiment}-{time.strftime('%Y%m%d-%H%M%S')}")
     (graph,) = prepare_graphs([cfg.graph], out_dir / "graphs", cfg.env.http_port, cfg.link)

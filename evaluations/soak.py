@@ -413,12 +413,18 @@ def main(argv: list[str] | None = None) -> int:
 
     import yaml
 
-    from pdd_serve.cluster import LocalClusterConfig, apply_driver_env, cluster_down, cluster_up, driver_env
+    from pdd_serve.checkpoints import default_model_path
+    from pdd_serve.cluster.deploy import deploy_graph
+    from pdd_serve.cluster.local import (
+        LocalClusterConfig,
+        apply_driver_env,
+        cluster_down,
+        cluster_up,
+        driver_env,
+    )
     from pdd_serve.config import load_graph_yaml
-    from pdd_serve.demo import deploy_graph
     from pdd_serve.engine.engine import Engine
     from pdd_serve.engine.sampling import SamplingParams
-    from pdd_serve.models import default_model_path
     from pdd_serve.serve.openai_api import IncrementalDetokenizer
 
     t_wall = time.monotonic()

@@ -85,9 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     if not Path(args.vllm_python).exists():
         print(f"error: {args.vllm_python} not found: make the vLLM venv first (see --help)", file=sys.stderr)
         return 2
+    from pdd_serve.checkpoints import default_model_path
     from pdd_serve.engine.engine import Engine
     from pdd_serve.engine.sampling import SamplingParams
-    from pdd_serve.models import default_model_path
 
     model = str(default_model_path())
     work = Path(tempfile.mkdtemp(prefix="pdd-vllm-probe-"))

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from evaluations.demo import _exposing_cache_hits
-from pdd_serve.cluster import LocalClusterConfig, cluster_down, cluster_up, driver_env
+from pdd_serve.cluster.deploy import DemoError, deploy_graph, shutdown_serve
+from pdd_serve.cluster.local import LocalClusterConfig, cluster_down, cluster_up, driver_env
 from pdd_serve.config import ConfigError, load_graph_yaml
-from pdd_serve.demo import DemoError, deploy_graph, shutdown_serve
 
 PATHS = ({"pipeline": "P-MD"}, {"pipeline": "P-RLD-MD", "handoff_mode": "one-shot"},
          {"pipeline": "P-RLD-MD", "handoff_mode": "catch-up"})
@@ -74,7 +74,7 @@ def references(model_path: str, work: list[Job], then: Callable[[list[list[int]]
     flight at once in the one engine; `then(answers)` builds a second wave on the first's answers."""
     from pdd_serve.engine.engine import Engine
     from pdd_serve.engine.sampling import SamplingParams
-    from pdd_serve.engine.vllm_engine import VllmEngine
+    from pdd_serve.engine.vllm.engine import VllmEngine
 
     ref = VllmEngine(model_path, connector=False, engine_args={"max_num_seqs": 64})
     teng = Engine.from_pretrained(model_path)
@@ -103,7 +103,7 @@ def next_turns(work: list[tuple[list[int], int, dict]], outputs: list[list[int]]
 
 def handoff_bytes(n_tokens: int, vocab: int) -> int:
     """Bytes of a handoff of n token ids as Ray serializes the call, plus Serve's request metadata."""
-    from evaluations.bench_transport import handoff_message
+    from evaluations.bench.transport import handoff_message
 
     return handoff_message(n_tokens, vocab)["total"]
 
@@ -120,8 +120,8 @@ def run_vllm_demo(graph: str = "graphs/pdd_vllm.yaml", requests: int = 18, keep:
     backends = {cfg.engine_for(r).backend for r in ("prefill", "relay", "main_decode")}
     if backends != {"vllm"}:
         raise DemoError(f"{graph} runs backend(s) {sorted(backends)}: --backend vllm needs backend: vllm on every engine")
+    from pdd_serve.checkpoints import resolve_model
     from pdd_serve.engine.model import ModelArgs
-    from pdd_serve.models import resolve_model
 
     model = str(resolve_model(cfg.model.path))
     margs = ModelArgs.from_checkpoint(model)

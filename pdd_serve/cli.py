@@ -50,7 +50,7 @@ structure if not in size.
 
 
 def _add_make_model(p: argparse.ArgumentParser) -> None:
-    from pdd_serve.models import ARCHS, DEFAULT_INIT_STD, ModelSpec
+    from pdd_serve.checkpoints import ARCHS, DEFAULT_INIT_STD, ModelSpec
 
     d = ModelSpec()
     p.add_argument("out_dir", metavar="OUT_DIR", help="directory to write (replaced atomically if it holds a checkpoint)")
@@ -74,7 +74,7 @@ def _run_make_model(args: argparse.Namespace) -> int:
 
     from transformers.utils import logging as hf_logging
 
-    from pdd_serve.models import SPEC_FILE, ModelSpec, make_model
+    from pdd_serve.checkpoints import SPEC_FILE, ModelSpec, make_model
 
     hf_logging.disable_progress_bar()  # our own summary below says what was written
     fields = {k: getattr(args, k) for k in ModelSpec.__dataclass_fields__}
@@ -99,7 +99,7 @@ def _add_model_path(p: argparse.ArgumentParser) -> None:
 
 
 def _run_model_path(args: argparse.Namespace) -> int:
-    from pdd_serve.models import default_model_path
+    from pdd_serve.checkpoints import default_model_path
 
     print(default_model_path(args.cache_dir))
     return 0
@@ -119,8 +119,8 @@ def _run_engine_demo(args: argparse.Namespace) -> int:
 
     from transformers import AutoTokenizer
 
+    from pdd_serve.checkpoints import resolve_model
     from pdd_serve.engine.engine import Engine
-    from pdd_serve.models import resolve_model
 
     if args.max_tokens <= 0:
         raise UsageError("pdd engine-demo: error: --max-tokens must be > 0")
@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         cmd.add_arguments(p)
         p.set_defaults(_run=cmd.run)
-    from pdd_serve.cluster_cli import add_cluster_parser  # light: no ray import at parse time
+    from pdd_serve.cluster.cli import add_cluster_parser  # light: no ray import at parse time
 
     add_cluster_parser(sub)
     return parser

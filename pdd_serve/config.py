@@ -88,7 +88,7 @@ def _check_backend(cfg: Any, where: str) -> None:
         raise ConfigError(f"{where}vllm sets vLLM engine arguments but {where}backend is torch: set backend: vllm")
     if args or cfg.backend == "vllm":
         try:
-            from pdd_serve.engine.vllm_engine import check_engine_args
+            from pdd_serve.engine.vllm.engine import check_engine_args
             check_engine_args(dict(args))
         except ImportError:
             raise ConfigError(f"{where}backend vllm needs vLLM installed: pip install -e '.[vllm]' "
@@ -147,11 +147,11 @@ EMULATE_FIELDS = ("model", "chip", "tp", "time_scale")
 @dataclass(frozen=True)
 class EmulateEntry:
     """One `emulate:` level (the shared top of the mapping, a site, or a role): the emulated
-    accelerator an engine paces its real steps to (pdd_serve/emulation.py). Unset fields keep what
+    accelerator an engine paces its real steps to (pdd_serve/emulation/pacer.py). Unset fields keep what
     the lower level says; precedence as `engines:`, lowest to highest: `emulate` itself,
     `emulate.<site>`, `emulate.<role>`."""
 
-    model: Any = None  # a shape of pdd_serve/assets/costmodel.yaml by name, or one inline (a mapping)
+    model: Any = None  # a shape of pdd_serve/emulation/costmodel.yaml by name, or one inline (a mapping)
     chip: str | None = None  # a chip of the same catalog
     tp: int | None = None  # chips per replica (tensor parallel); must divide the attention heads
     time_scale: float | None = None  # slow motion: one for the whole graph
@@ -293,7 +293,7 @@ class FlightConfig:
     batch_blocks: int = 64  # ~2 MB batches at 32 KB blocks: smaller ones halve Flight throughput
     # parallel Flight streams per KV push (own connections, one shared feed): one stream sends while
     # another waits in gRPC or the pacer; over one stream, +1-2% of line rate at 1 Gbit/s and +9-15%
-    # at 10 Gbit/s on the 2-core dev box (evaluations/bench_transport.py); 4 were not reliably better
+    # at 10 Gbit/s on the 2-core dev box (evaluations/bench/transport.py); 4 were not reliably better
     streams: int = 2
     deadline_s: float = 60.0
     max_bytes_per_request: int = 256 << 20
@@ -392,7 +392,7 @@ class PDDConfig:
         except ConfigError as e:
             raise ConfigError(f"the {role} engine (model + {' + '.join(used)}): {e}") from None
 
-    def emulation_for(self, role: str):  # -> pdd_serve.emulation.Emulation | None
+    def emulation_for(self, role: str):  # -> pdd_serve.emulation.pacer.Emulation | None
         """The emulated accelerator of one role (None: the graph runs unemulated)."""
         return self._emulations().get(role)
 
@@ -433,8 +433,8 @@ class PDDConfig:
         return cached
 
     def _resolve_emulations(self) -> dict:
-        from pdd_serve import costmodel
-        from pdd_serve.emulation import Emulation
+        from pdd_serve.emulation import costmodel
+        from pdd_serve.emulation.pacer import Emulation
 
         if not self.emulate:
             return {}

@@ -99,7 +99,7 @@ class ReplicaGauges:
         self.kv = Gauge("pdd_replica_kv_usage", "fraction of the replica's KV pool blocks in use", tag_keys=("role",))
         for g in (self.requests, self.kv):
             g.set_default_tags({"role": role})
-        # emulated accelerators (pdd_serve/emulation.py): the share of engine steps whose real work
+        # emulated accelerators (pdd_serve/emulation/pacer.py): the share of engine steps whose real work
         # took longer than the emulated chip's modeled time, per step kind; above ~5% the run
         # measures this machine's CPU, not the chip
         self.overrun = Gauge("pdd_emulation_overrun_share", "share of engine steps slower than the emulated "

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pdd_serve.cluster import (
+from pdd_serve.cluster.local import (
     ClusterError,
     ClusterInfo,
     LocalClusterConfig,

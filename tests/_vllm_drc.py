@@ -1,4 +1,4 @@
-"""Main decode's DRC on a vLLM engine with prefix caching on, run by `tests/test_vllm.py` in its own
+"""Main decode's DRC on a vLLM engine with prefix caching on, run by `tests/engine/test_vllm.py` in its own
 process (vLLM's worker-side KV connector is one per process, and that module's engine runs with
 prefix caching off). Prints one JSON line of what it saw; the test asserts on it.
 
@@ -17,10 +17,10 @@ import json
 import random
 import time
 
+from pdd_serve.checkpoints import default_model_path
 from pdd_serve.engine.kv import block_hashes
 from pdd_serve.engine.sampling import SamplingParams
-from pdd_serve.engine.vllm_engine import VllmEngine
-from pdd_serve.models import default_model_path
+from pdd_serve.engine.vllm.engine import VllmEngine
 
 
 def _tokens(seed: int, n: int) -> list[int]:

@@ -64,7 +64,7 @@ def test_the_checker_catches_every_form(tmp_path, monkeypatch):
                    "m = __import__('evaluations.sim.cli', fromlist=['SIM_COMMANDS'])\n"
                    "EP = 'evaluations.cli:EVAL_COMMANDS'\n"
                    "from .evaluations import x  # relative: pdd_serve's own, allowed\n"
-                   "'''see evaluations/bench_mac.py and the evaluations README'''\n")
+                   "'''see evaluations/bench/mac.py and the evaluations README'''\n")
     monkeypatch.setattr(sys.modules[__name__], "PKG", bad.parent)
     hits = _evaluations_imports(bad)
     assert {int(h.split(":")[1]) for h in hits} == {1, 2, 4, 5, 6}, hits

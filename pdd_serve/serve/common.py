@@ -9,7 +9,7 @@ from pdd_serve.config import ModelConfig, PDDConfig
 from pdd_serve.engine.protocol import EngineBackend
 
 if TYPE_CHECKING:  # engines load in the engine roles only: a Router replica never imports torch
-    from pdd_serve.emulation import Emulation
+    from pdd_serve.emulation.pacer import Emulation
     from pdd_serve.engine.engine import Sequence
 
 logger = logging.getLogger("pdd_serve")
@@ -28,10 +28,10 @@ def load_engine(model: ModelConfig, enable_prefix_cache: bool = True, threads: i
     capped by `kv_cache_bytes`: nothing allocates gigabytes because a chip has them."""
     import torch
 
-    from pdd_serve.emulation import PacedEngine, StepPacer
+    from pdd_serve.checkpoints import resolve_model
+    from pdd_serve.emulation.pacer import PacedEngine, StepPacer
     from pdd_serve.engine.engine import Engine
     from pdd_serve.engine.kv import KVLayout, dtype_name
-    from pdd_serve.models import resolve_model
 
     torch.set_num_threads(max(1, model.threads if model.threads is not None else threads))
     path = resolve_model(model.path)
@@ -54,7 +54,7 @@ def load_engine(model: ModelConfig, enable_prefix_cache: bool = True, threads: i
     if model.backend == "vllm":
         import os
 
-        from pdd_serve.engine.vllm_engine import VllmEngine
+        from pdd_serve.engine.vllm.engine import VllmEngine
 
         # each replica keeps to its thread budget (vLLM's "auto" binds every core to every replica)
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")

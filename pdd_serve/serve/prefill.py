@@ -19,7 +19,7 @@ from pdd_serve.config import PDDConfig
 from pdd_serve.engine.engine import Sequence
 from pdd_serve.engine.kv import KVBlocks, PoolFullError, blocks_needed, num_full_blocks
 from pdd_serve.engine.sampling import RequestError, SamplingParams
-from pdd_serve.engine.scheduler import EngineWorker
+from pdd_serve.engine.worker import EngineWorker
 from pdd_serve.policy import PREFILL_ADMIT_SHARE, PrefillCost, fit_prefill_cost, prefill_admits, wan_backlog
 from pdd_serve.serve.common import check_engine, emulation_stats, load_engine, logger, placement
 from pdd_serve.serve.messages import (

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from ray import serve
 
 from pdd_serve.config import PDDConfig
-from pdd_serve.engine.scheduler import EngineWorker
+from pdd_serve.engine.worker import EngineWorker
 from pdd_serve.metrics import ReplicaGauges
 from pdd_serve.serve.common import check_engine, emulation_stats, load_engine, logger, placement, take_over
 from pdd_serve.serve.messages import RelayRequest, RelaySaturated, ReplicaStats, TokenChunk

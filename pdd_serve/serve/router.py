@@ -151,9 +151,9 @@ class Router:
     def __init__(self, cfg: PDDConfig, prefill: Any, relay: Any, md: Any) -> None:
         from transformers import AutoTokenizer
 
+        from pdd_serve.checkpoints import resolve_model
         from pdd_serve.engine.kv import KVLayout
         from pdd_serve.engine.model import ModelArgs
-        from pdd_serve.models import resolve_model
 
         self.cfg = cfg
         path = resolve_model(cfg.model.path)

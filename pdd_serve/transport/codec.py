@@ -13,7 +13,7 @@ the graph's `flight.mac_key`) over what MD files it under: request id, block pos
 counts, block hashes and the CRCs that stand for the bytes. Not over the bytes themselves: CRC32
 is no cryptographic hash, so an attacker *on the path* who saw a real batch could swap in bytes
 with the same CRCs; that attacker is TLS's to stop (config refuses plaintext Flight off
-loopback). Hashing every byte instead would cost ~1 GB/s per core (evaluations/bench_mac.py).
+loopback). Hashing every byte instead would cost ~1 GB/s per core (evaluations/bench/mac.py).
 """
 
 from __future__ import annotations

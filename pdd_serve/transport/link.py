@@ -147,7 +147,7 @@ class LinkModel:
         if not (time_scale > 0 and byte_scale > 0):
             raise ValueError(f"time_scale and byte_scale must be > 0, got {time_scale}, {byte_scale}")
         self.config = config if config is not None else LinkConfig(**fields)  # type: ignore[arg-type]
-        # emulation (pdd_serve/emulation.py): the link runs on the emulated clock (real seconds /
+        # emulation (pdd_serve/emulation/pacer.py): the link runs on the emulated clock (real seconds /
         # time_scale), so latency, epochs, stalls and rates are the emulated line's, and each real
         # KV byte paced stands for `byte_scale` bytes of the emulated model's KV
         self.time_scale = float(time_scale)

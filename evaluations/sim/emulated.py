@@ -1,0 +1,293 @@
+"""Emulated-accelerator comparisons (`pdd compare --emulate SCENARIO`): the scenario file, the
+`emulate:` block each graph gets, the emulated cost of a deployment, and the pacers' overrun.
+
+A scenario (evaluations/scenarios/*.yaml) pins what a run emulates: the model shape, the chips and
+`tp` per graph and site, the link, the SLA, the workload and `time_scale`. Every duration in it is
+in emulated seconds; the load generator stretches arrivals, think times and timeouts by
+`time_scale` and divides every measured time back, so the tables read in emulated seconds.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pdd_serve.config import PDDConfig
+from pdd_serve.emulation import costmodel
+from pdd_serve.emulation.pacer import merge_stats
+
+SCENARIO_DIR = Path(__file__).with_name("scenarios")
+ENGINE_DEPLOYMENTS = {"prefill": "Prefill", "relay": "Relay", "main_decode": "MainDecode"}
+
+
+class ScenarioError(ValueError):
+    """A scenario file that can't be used; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class EmulatedScenario:
+    name: str
+    path: str
+    time_scale: float
+    model: str
+    chips: dict[str, dict[str, dict[str, Any]]]  # graph -> site -> {chip, tp}
+    link: dict[str, Any]
+    sla: dict[str, float]
+    workload: dict[str, Any] = field(default_factory=dict)
+    description: str = ""
+    # the share of a relay replica's chips this deployment pays for: at the report's scale 3 relay
+    # instances serve 40 prefill instances, so a 1-prefill deployment needs ~3/40 of one; 1.0 prices
+    # the relay replica whole (what this small deployment rents)
+    relay_cost_fraction: float = 1.0
+
+    def emulate_block(self, graph: str) -> dict[str, Any]:
+        """The `emulate:` mapping a graph is deployed with."""
+        if graph not in self.chips:
+            raise ScenarioError(f"{self.path}: chips.{graph}: the scenario gives no chips for graph {graph!r} "
+                                f"(it has {', '.join(sorted(self.chips))})")
+        return {"model": self.model, "time_scale": self.time_scale, **{s: dict(v) for s, v in self.chips[graph].items()}}
+
+    def params(self) -> dict[str, Any]:
+        return {"emulated": True, "scenario": self.name, "time_scale": self.time_scale, "emulate.model": self.model,
+                "emulate.chips": json.dumps(self.chips, sort_keys=True), "relay_cost_fraction": self.relay_cost_fraction}
+
+
+def load_scenario(name_or_path: str | Path) -> EmulatedScenario:
+    p = Path(name_or_path)
+    if not p.is_file():
+        p = SCENARIO_DIR / f"{name_or_path}.yaml"
+    if not p.is_file():
+        known = ", ".join(sorted(x.stem for x in SCENARIO_DIR.glob("*.yaml")))
+        raise ScenarioError(f"unknown emulated scenario {name_or_path!r}: give a path or one of {known}")
+    try:
+        doc = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ScenarioError(f"{p}: not valid YAML: {e}") from None
+    if not isinstance(doc, dict):
+        raise ScenarioError(f"{p}: must hold a mapping")
+    for k in ("time_scale", "model", "chips", "link", "sla"):
+        if k not in doc:
+            raise ScenarioError(f"{p}: {k}: required")
+    unknown = set(doc) - {"name", "description", "time_scale", "model", "chips", "link", "sla", "workload",
+                          "relay_cost_fraction"}
+    if unknown:
+        raise ScenarioError(f"{p}: {sorted(unknown)[0]}: unknown key")
+    ts = doc["time_scale"]
+    if not isinstance(ts, (int, float)) or ts <= 0:
+        raise ScenarioError(f"{p}: time_scale: must be a number > 0, got {ts!r}")
+    try:
+        costmodel.load_catalog().model(doc["model"])
+    except costmodel.CostModelError as e:
+        raise ScenarioError(f"{p}: {e}") from None
+    frac = doc.get("relay_cost_fraction", 1.0)
+    if not isinstance(frac, (int, float)) or not 0 < frac <= 1:
+        raise ScenarioError(f"{p}: relay_cost_fraction: must be in (0, 1], got {frac!r}")
+    return EmulatedScenario(str(doc.get("name", p.stem)), str(p), float(ts), doc["model"], doc["chips"],
+                            dict(doc["link"]), dict(doc["sla"]), dict(doc.get("workload") or {}),
+                            str(doc.get("description", "")).strip(), float(frac))
+
+
+def role_chips(cfg: PDDConfig) -> dict[str, str]:
+    """Each deployed engine role's emulated accelerator, e.g. {'prefill': '4 x h100-sxm', ...}."""
+    return {r: f"{e.tp} x {e.chip.name}" for r in cfg.engine_roles() if (e := cfg.emulation_for(r)) is not None}
+
+
+def cost_per_hour(cfg: PDDConfig, relay_fraction: float = 1.0) -> float:
+    """The emulated chips a graph rents per hour: replicas x tp x the chip's price, per role, the
+    relay's times `relay_fraction` (the Routers are CPU frontends and are not counted, as in
+    `pdd compare`'s BCR)."""
+    total = 0.0
+    for role in cfg.engine_roles():
+        e = cfg.emulation_for(role)
+        total += _replicas(cfg, role) * e.tp * e.chip.price_per_hour * (relay_fraction if role == "relay" else 1.0)
+    return total
+
+
+def pacer_stats_of_running_graph(app: str, denv: Mapping[str, str], timeout_s: float = 120.0) -> dict[str, Any]:
+    """`collect_pacer_stats` from a driver process of its own on the cluster (`denv`: the
+    cluster's driver environment), so the comparison's process never joins the cluster."""
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "evaluations.sim.emulated", app], env={**os.environ, **denv},
+                       capture_output=True, text=True, timeout=timeout_s)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if r.returncode or not lines:
+        raise RuntimeError(f"reading the emulated engines' stats failed: {r.stderr.strip()[-400:]}")
+    return json.loads(lines[-1])
+
+
+def _replicas(cfg: PDDConfig, role: str) -> int:
+    """A role's configured replicas (`sites.<role>_replicas`)."""
+    return getattr(cfg.sites, f"{role}_replicas")
+
+
+def collect_pacer_stats(app: str) -> dict[str, Any]:
+    """Every live engine replica's pacer counts, merged per role and over the graph (from the
+    replicas' `stats`, before the graph is shut down)."""
+    from pdd_serve.serve.pinning import pinned_handle, replica_actors
+
+    per_role: dict[str, list[dict]] = {}
+    for role, dep in ENGINE_DEPLOYMENTS.items():
+        for rid in sorted(replica_actors(app, dep)):
+            try:
+                st = pinned_handle(app, dep, rid).stats.remote().result(timeout_s=30)
+            except Exception:  # noqa: BLE001 - a replica that went away: its counts are lost, said below
+                per_role.setdefault(role, []).append({"lost": 1})
+                continue
+            emu = dict((st.extra or {}).get("emulation") or {})
+            per_role.setdefault(role, []).append({k: v for k, v in emu.items() if isinstance(v, (int, float))})
+    out: dict[str, Any] = {role: merge_stats([p for p in parts if "lost" not in p]) for role, parts in per_role.items()}
+    out["all"] = merge_stats([p for parts in per_role.values() for p in parts if "lost" not in p])
+    out["replicas_lost"] = sum(1 for parts in per_role.values() for p in parts if "lost" in p)
+    return out
+
+
+def spread(values: list[float]) -> float | None:
+    """(max - min) / median over repeats (None with fewer than two)."""
+    import statistics
+
+    vals = [v for v in values if v is not None]
+    if len(vals) < 2:
+        return None
+    med = statistics.median(vals)
+    return (max(vals) - min(vals)) / med if med else None
+
+
+def ratio(a: Any, b: Any) -> float | None:
+    return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
+
+
+def repeat_ratios(per_repeat: list[Mapping[str, Mapping[str, Any]]], pdd: str, cross: str, naive: str,
+                  same: str) -> dict[str, list[float | None]]:
+    """Each headline ratio, once per repeat (the spread is taken over these)."""
+    out: dict[str, list[float | None]] = {"p90_ttft_vs_cross_dc": [], "goodput_vs_cross_dc": [],
+                                          "goodput_vs_cross_dc_naive": [], "bcr_gain_vs_same_dc": []}
+    for s in per_repeat:
+        p, c, n, sd = s.get(pdd, {}), s.get(cross, {}), s.get(naive, {}), s.get(same, {})
+        out["p90_ttft_vs_cross_dc"].append(ratio(p.get("ttft_p90_s"), c.get("ttft_p90_s")))
+        out["goodput_vs_cross_dc"].append(ratio(p.get("goodput_rps"), c.get("goodput_rps")))
+        out["goodput_vs_cross_dc_naive"].append(ratio(p.get("goodput_rps"), n.get("goodput_rps")))
+        b = ratio(p.get("bcr_emulated"), sd.get("bcr_emulated"))
+        out["bcr_gain_vs_same_dc"].append(None if b is None else b - 1)
+    return out
+
+
+if __name__ == "__main__":  # python -m evaluations.sim.emulated APP: the pacer stats of a running graph
+    import os
+    import sys
+
+    import ray
+
+    ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level="error", log_to_driver=False)
+    print(json.dumps(collect_pacer_stats(sys.argv[1])))
+
+
+# ---------------------------------------------------------------- the simulator's world
+
+
+def real_kv_bytes_per_token(model: Any) -> int:
+    """KV bytes per token of the real small model an engine runs (`model`: a ModelConfig)."""
+    from pdd_serve.checkpoints import resolve_model
+    from pdd_serve.engine.kv import KVLayout
+    from pdd_serve.engine.model import ModelArgs
+
+    a = ModelArgs.from_checkpoint(resolve_model(model.path))
+    return KVLayout(a.num_layers, a.num_kv_heads, a.head_dim, model.block_size, model.kv_dtype).bytes_per_token
+
+
+def sim_scenario_doc(sc: EmulatedScenario, graphs: list[Any]) -> dict[str, Any]:
+    """The same scenario as the simulator reads it (evaluations/sim/config.py's schema): the
+    emulated model and chips from the one catalog, each graph's deployment with its policy and
+    replicas x tp chips, the scenario's link, SLA and pdd_serve's scheduler (one request per
+    prefill forward in 256-token chunks, decode batch `max_batch`, the real pool's prefix cache
+    at the emulated KV size). `graphs`: the prepared graphs (evaluations.harness.PreparedGraph)."""
+    import dataclasses
+
+    from pdd_serve.serve.prefill import PREFILL_CHUNK_TOKENS
+
+    cat = costmodel.load_catalog()
+    shape = cat.model(sc.model)
+    used = sorted({site["chip"] for g in sc.chips.values() for site in g.values()})
+    chips = {n: {k: v for k, v in dataclasses.asdict(cat.chip(n)).items() if k != "name"} for n in used}
+    model = {k: v for k, v in dataclasses.asdict(shape).items() if k not in ("name",) and v is not None}
+    model["name"] = shape.name
+    first = graphs[0].cfg
+    m = first.engine_for("prefill")
+    real_bpt = real_kv_bytes_per_token(m)  # the real pool's tokens set the prefix cache's size
+    prefix_tokens = (m.kv_cache_bytes // 2 if m.prefix_cache_bytes is None else m.prefix_cache_bytes) / real_bpt
+    deployments: dict[str, Any] = {}
+    for g in graphs:
+        cfg = g.cfg
+        dep: dict[str, Any] = {}
+        for role in cfg.engine_roles():
+            e = cfg.emulation_for(role)
+            dep[role] = {"chip": e.chip.name, "count": _replicas(cfg, role) * e.tp, "chips_per_instance": e.tp}
+        dep["link"] = "wan" if g.cross_site else "same_dc"
+        pol = dataclasses.asdict(cfg.policy)
+        pol["pipelines"] = list(pol["pipelines"])
+        # the routers poll the MD views every drc_view_period_s of REAL time: in emulated time that
+        # is time_scale times more often, and the simulator is told so
+        pol["drc_view_period_s"] = cfg.policy.drc_view_period_s / cfg.time_scale
+        dep["policy"] = pol
+        deployments[g.name] = dep
+    link = {k: v for k, v in sc.link.items()}
+    # a push runs on flight.streams parallel streams, each sending one batch at a time; a batch
+    # never spans two prefill chunks' blocks (serve/prefill.py feeds the sender chunk by chunk)
+    fl = next((g.cfg.flight for g in graphs if g.cross_site), first.flight)
+    bs = first.model.block_size
+    unit_blocks = min(fl.batch_blocks, max(1, PREFILL_CHUNK_TOKENS // bs))
+    link.update(scale_to_model=False, per_prefill_bucket=True, streams=fl.streams,
+                stream_unit_bytes=unit_blocks * bs * shape.kv_bytes_per_token)
+    return {
+        "name": f"{sc.name} (simulated)",
+        "chips": chips,
+        "model": model,
+        "workload": {"kind": "synthetic", "block_size": first.model.block_size},
+        "sla": {"ttft_s": sc.sla["ttft_s"], "tpot_s": sc.sla["tpot_s"], "attainment": 0.9, "ttft_from": "client"},
+        "scheduler": {"prefill_chunk_tokens": PREFILL_CHUNK_TOKENS, "prefill_batch_requests": False,
+                      "tail_chunk": "packed", "decode_max_batch": first.engine_for("main_decode").max_batch,
+                      "mem_reserve_fraction": 0.1,
+                      "prefix_cache_gb": prefix_tokens * shape.kv_bytes_per_token / 1e9},
+        "links": {"same_dc": {"preset": "same_dc"}, "wan": link},
+        "deployments": deployments,
+    }
+
+
+def simulate_records(sc: EmulatedScenario, graphs: list[Any], rows: list[dict[str, Any]], out_dir: Path,
+                     draws: int = 3, request_overhead_s: float = 0.0) -> dict[str, Any]:
+    """Replay the measured requests (arrivals, lengths, prefix hits) through the simulator on the
+    same scenario; per graph: predicted vs measured TTFT P50/P90 and goodput, relative errors.
+    `request_overhead_s`: the serving software's time per request in emulated seconds (measured on
+    same-DC requests that were alone: compare.software_overhead_real_s / time_scale), which the
+    chips' cost model cannot know."""
+    import dataclasses
+
+    from evaluations.sim.validate import validate
+
+    sim = sim_scenario_for(sc, graphs, out_dir)
+    sim = dataclasses.replace(sim, scheduler=dataclasses.replace(sim.scheduler, request_overhead_s=request_overhead_s))
+    return validate(sim, rows, sc.sla["ttft_s"], sc.sla["tpot_s"], draws=draws)
+
+
+def sim_scenario_for(sc: EmulatedScenario, graphs: list[Any] | None = None, out_dir: Path | None = None):
+    """The simulator's Scenario for an emulated scenario (`graphs`: prepared graphs; default the
+    four under graphs/ with the scenario's chips), written to `out_dir/sim_scenario.yaml`."""
+    import tempfile
+
+    from evaluations.harness import DEFAULT_GRAPHS, prepare_graphs
+    from evaluations.sim.config import load_scenario as load_sim_scenario
+
+    out_dir = Path(out_dir or tempfile.mkdtemp(prefix="pdd-emulated-"))
+    if graphs is None:
+        graphs = prepare_graphs(DEFAULT_GRAPHS, out_dir / "graphs", 8000, sc.link, emulate=sc)
+    path = out_dir / "sim_scenario.yaml"
+    path.write_text("# the emulated scenario as the simulator reads it (evaluations/sim/emulated.py)\n"
+                    + yaml.safe_dump(sim_scenario_doc(sc, graphs), sort_keys=False))
+    return load_sim_scenario(path)

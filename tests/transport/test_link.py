@@ -1,0 +1,199 @@
+"""LinkModel: the pure transfer-time model, its jitters and presets, and pacing of a real stream."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from pdd_serve.engine.kv import KVLayout
+from pdd_serve.transport import link as link_mod
+from pdd_serve.transport.flight import KVFlightClient, KVFlightServer
+from pdd_serve.transport.link import REFERENCE_KV_BYTES_PER_TOKEN, BandwidthEstimator, LinkConfig, LinkModel
+from tests.transport.test_codec import make_blocks
+
+MB = 1_000_000
+
+
+def test_config_checks() -> None:
+    for bad in (dict(bandwidth_bps=0), dict(bandwidth_bps=float("inf")), dict(one_way_latency_s=-1),
+                dict(jitter="gaussian"), dict(jitter="lognormal"), dict(jitter="trace"), dict(jitter="stalls"),
+                dict(stalls=((1.0, 0.0),)), dict(trace_kind="x"), dict(epoch_s=0), dict(trace=(-1.0,))):
+        with pytest.raises(ValueError):
+            LinkConfig(**bad)  # type: ignore[arg-type]
+    cfg = LinkConfig(jitter="trace:/some/file.csv")  # config.py's shorthand
+    assert cfg.jitter == "trace" and cfg.trace_path == "/some/file.csv"
+    with pytest.raises(ValueError):
+        LinkModel(bandwidth_bps=1e9, jitter="trace", trace=(0.0, 0.0), trace_kind="throughput")
+
+
+def test_constant_transfer_time_is_latency_plus_serialization() -> None:
+    m = LinkModel(bandwidth_bps=8e9, one_way_latency_s=0.02)
+    assert m.transfer_time(MB) == pytest.approx(0.02 + 8e6 / 8e9)
+    assert m.transfer_time(MB, at=123.4) == pytest.approx(m.transfer_time(MB))
+    assert m.transfer_time(0) == pytest.approx(0.02)
+    assert LinkModel.preset("same_dc").transfer_time(10**12) == 0.0
+
+
+def test_lognormal_is_pure_and_seeded() -> None:
+    a = LinkModel(bandwidth_bps=1e9, jitter="lognormal", sigma=0.5, seed=7)
+    b = LinkModel(bandwidth_bps=1e9, jitter="lognormal", sigma=0.5, seed=7)
+    pts = [(50 * MB, t * 0.37) for t in range(200)]
+    fwd = [a.transfer_time(n, t) for n, t in pts]
+    rev = [b.transfer_time(n, t) for n, t in reversed(pts)][::-1]  # another call order, another object
+    assert fwd == rev == [a.transfer_time(n, t) for n, t in pts]
+    other = LinkModel(bandwidth_bps=1e9, jitter="lognormal", sigma=0.5, seed=8)
+    assert fwd != [other.transfer_time(n, t) for n, t in pts]
+    one_epoch = [a.transfer_time(MB, float(k)) for k in range(400)]  # 8 ms nominal, inside one epoch
+    med = sorted(one_epoch)[200] / 0.008
+    assert 1.0 < med < 1.3  # median time factor exp(sigma^2 / 2) = 1.13: bandwidth_bps is the mean rate
+    assert max(one_epoch) / min(one_epoch) > 3  # and it does fluctuate
+
+
+def test_phase_replays_the_line_from_a_later_point_of_its_jitter() -> None:
+    """phase_s: the model at time t is the line at t + phase_s (the simulator replays a real run
+    from the link time its requests met), for transfer times and carried bytes alike."""
+    kw = dict(bandwidth_bps=1e9, jitter="lognormal", sigma=0.5, seed=3, epoch_s=1.0)
+    line, shifted = LinkModel(**kw), LinkModel(**kw, phase_s=7.3)
+    for at in (0.0, 0.2, 0.69, 1.5, 4.0):
+        assert shifted.transfer_time(300 * MB, at) == pytest.approx(line.transfer_time(300 * MB, at + 7.3))
+        assert shifted.capacity_bytes(at, at + 2.5) == pytest.approx(line.capacity_bytes(at + 7.3, at + 9.8))
+    assert shifted.transfer_time(300 * MB, 0.0) != pytest.approx(line.transfer_time(300 * MB, 0.0))
+    stalled = LinkModel(bandwidth_bps=8e6, jitter="stalls", stalls=[(10.0, 2.0)], phase_s=9.5)
+    assert stalled.transfer_time(MB, 0.0) == pytest.approx(3.0)  # 0.5 s, the stall's 2 s, 0.5 s
+    with pytest.raises(ValueError, match="phase_s"):
+        LinkConfig(bandwidth_bps=1e9, phase_s=-1.0)
+
+
+def test_lognormal_bandwidth_is_the_mean_rate() -> None:
+    """A saturated sender moves bandwidth_bps on average (factors have mean 1, not median 1), and
+    capacity_bytes is arrival_end's inverse (what the simulator shares among streams)."""
+    for sigma in (0.3, 1.0):
+        m = LinkModel(bandwidth_bps=8e6, jitter="lognormal", sigma=sigma, epoch_s=1.0, seed=3)
+        assert m.capacity_bytes(0.0, 20_000.0) / 20_000.0 == pytest.approx(1e6, rel=0.03)
+        end = m.arrival_end(2.5, 7 * MB)
+        assert m.capacity_bytes(2.5, end) == pytest.approx(7 * MB, rel=1e-9)
+    assert LinkModel(bandwidth_bps=8e6).capacity_bytes(1.0, 3.0) == pytest.approx(2 * MB)
+    report = LinkModel.preset("pdd_report")  # calibrated on its median: 4 Gbps
+    assert report.transfer_time(50 * MB, 0.0) > 0 and report.bandwidth_bps == pytest.approx(4e9 * 1.6487, rel=1e-4)
+
+
+def test_trace_file_delay_and_throughput(tmp_path: Path) -> None:
+    f = tmp_path / "trace.csv"
+    f.write_text("t,value\n0,0.5\n1,0.0\n# comment\n2,2.0\n")
+    d = LinkModel(bandwidth_bps=8e6, one_way_latency_s=0.1, jitter="trace", trace_path=str(f))
+    assert d.transfer_time(MB, at=0.2) == pytest.approx(0.1 + 0.5 + 1.0)  # extra delay of epoch 0
+    assert d.transfer_time(MB, at=1.5) == pytest.approx(0.1 + 1.0)
+    assert d.transfer_time(MB, at=3.0) == pytest.approx(0.1 + 0.5 + 1.0)  # the trace cycles
+    lines = tmp_path / "tp.txt"
+    lines.write_text("1.0\n0.5\n")
+    tp = LinkModel(bandwidth_bps=8e6, jitter="trace", trace_path=str(lines), trace_kind="throughput")
+    # 1 MB at 1 MB/s: epoch 0 moves 1 MB in 1 s; from 0.5 s: 0.5 MB in epoch 0, 0.5 MB at half speed = 1 s
+    assert tp.transfer_time(MB, at=0.0) == pytest.approx(1.0)
+    assert tp.transfer_time(MB, at=0.5) == pytest.approx(1.5)
+
+
+def test_stalls() -> None:
+    m = LinkModel(bandwidth_bps=8e6, jitter="stalls", stalls=[(1.0, 2.0), (10.0, 1.0)])
+    assert m.transfer_time(MB, at=0.0) == pytest.approx(1.0)  # done right as the stall starts
+    assert m.transfer_time(2 * MB, at=0.0) == pytest.approx(4.0)  # 1 s, stalled 2 s, 1 s
+    assert m.transfer_time(MB, at=1.5) == pytest.approx(2.5)  # starts inside the stall
+    assert m.transfer_time(MB, at=5.0) == pytest.approx(1.0)
+
+
+def test_presets_and_scaling() -> None:
+    assert LinkModel.preset("wan_10g").bandwidth_bps == 10e9
+    assert LinkModel.preset("wan_100g").bandwidth_bps == 100e9
+    assert not LinkModel.preset("same_dc").config.paced
+    with pytest.raises(ValueError):
+        LinkModel.preset("moon")
+    small = LinkModel.preset("pdd_report", kv_bytes_per_token=2048)
+    flagship = LinkModel.preset("pdd_report")
+    for tokens, at in ((100, 0.0), (6400, 3.3), (65536, 17.0)):  # same token count -> same time
+        assert small.transfer_time(tokens * 2048, at) == pytest.approx(
+            flagship.transfer_time(tokens * REFERENCE_KV_BYTES_PER_TOKEN, at))
+    times = [flagship.transfer_time(65536 * REFERENCE_KV_BYTES_PER_TOKEN, a * 0.7) for a in range(500)]
+    assert 1.0 < sorted(times)[250] < 20.0 and max(times) > 3 * min(times)  # PDD.md: 1-20 s, fluctuating
+    assert LinkModel.preset("wan_10g", one_way_latency_s=0.0).config.one_way_latency_s == 0.0
+
+
+def test_pacing_matches_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a fake clock: a backlogged sender takes exactly transfer_time; an idle gap pays latency again."""
+    now = [0.0]
+    monkeypatch.setattr(link_mod.time, "sleep", lambda s: now.__setitem__(0, now[0] + s))
+    m = LinkModel(bandwidth_bps=8e6, one_way_latency_s=0.05, jitter="stalls", stalls=[(0.5, 0.25)],
+                  clock=lambda: now[0])
+    for _ in range(10):
+        m.pace_sync(100_000)
+    assert now[0] == pytest.approx(m.transfer_time(MB, 0.0)) == pytest.approx(0.05 + 1.0 + 0.25)
+    now[0] += 1.0  # idle
+    t0 = now[0]
+    m.pace_sync(100_000)
+    assert now[0] - t0 == pytest.approx(m.transfer_time(100_000, t0))
+    assert asyncio.run(LinkModel(bandwidth_bps=8e9).pace(1000)) >= 0  # the async form runs too
+    assert LinkModel.preset("same_dc").pace_sync(10**9) == 0.0
+
+
+def test_concurrent_streams_share_the_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small transfer that starts while a big one is crossing waits for a fair share of the line
+    (as TCP flows share it), not for the big one's whole batch; both pay the latency once."""
+    import contextvars
+
+    now = [0.0]
+    m = LinkModel(bandwidth_bps=8e6, one_way_latency_s=0.05, clock=lambda: now[0])  # 1 MB/s
+    big, small = contextvars.copy_context(), contextvars.copy_context()  # two streams
+    q = link_mod.PACE_QUANTUM_BYTES
+    # a stream's record of another (or a dead) model never chains this one's
+    older = LinkModel(bandwidth_bps=8e3, one_way_latency_s=1.0, clock=lambda: now[0])
+    assert big.run(older._reserve, q) > 60
+    # the big stream books its first quantum of a 1 MB batch; the small one arrives meanwhile
+    assert big.run(m._reserve, q) == pytest.approx(0.05 + q / 1e6)
+    now[0] = 0.01
+    done_small = now[0] + small.run(m._reserve, q)
+    # it lands right after the big stream's quantum in flight, not after its whole 1 MB batch
+    assert done_small == pytest.approx(0.05 + 2 * q / 1e6)
+    assert done_small < 0.05 + 1.0
+    # the big stream's next quantum queues behind it: the line alternates between the two
+    now[0] = 0.05 + q / 1e6
+    assert now[0] + big.run(m._reserve, q, True) == pytest.approx(0.05 + 3 * q / 1e6)
+
+
+def test_real_flight_stream_holds_the_paced_rate() -> None:
+    # Behavioural rate check, 10% tolerance, not a performance benchmark: the pacer must make a real
+    # loopback Flight stream run at the link's configured rate over a >= 2 s transfer.
+    layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=32, block_size=16)  # 32 KiB blocks
+    kv = make_blocks(layout, 320)  # 10.5 MB
+    rate = 40e6  # bits/s -> ~2.1 s
+    link = LinkModel(bandwidth_bps=rate)
+    with KVFlightServer("127.0.0.1", layout=layout, token="t", max_bytes_per_request=64 << 20) as srv:
+        srv.expect("paced", kv.num_blocks)
+        c = KVFlightClient(srv.location, "t", layout=layout, batch_blocks=8, deadline_s=30, link=link)
+        t0 = time.monotonic()
+        c.push("paced", [kv])
+        srv.wait_complete_sync("paced", 10)
+        elapsed = time.monotonic() - t0
+    assert elapsed >= 2.0
+    assert kv.nbytes * 8 / elapsed == pytest.approx(rate, rel=0.10)
+
+
+def test_bandwidth_estimator() -> None:
+    est = BandwidthEstimator(alpha=0.5)
+    assert est.bps is None and est.estimate_time(100) is None
+    est.observe(1_000_000, 1.0)
+    assert est.bps == 8e6
+    est.observe(1_000_000, 0.5)
+    assert est.bps == pytest.approx(0.5 * 16e6 + 0.5 * 8e6)
+    assert est.estimate_time(1_500_000) == pytest.approx(1.0)
+    est.observe(0, 1.0)  # ignored
+    assert est.samples == 2
+
+    shared = BandwidthEstimator(alpha=0.1, initial_bps=1e9)
+    ts = [threading.Thread(target=lambda: [shared.observe(1000, 1e-3) for _ in range(500)]) for _ in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert shared.samples == 2000 and shared.bps == pytest.approx(8e6, rel=1e-3)
