@@ -45,7 +45,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sla-tpot", type=float, default=0.1, help="TPOT target, seconds (default: %(default)s)")
     g.add_argument("--chip", action="append", default=[], metavar="SITE=CHIP",
                    help="chip at a site, from the catalog (default: a=cpu b=cpu); repeatable")
-    g.add_argument("--catalog", default=None, help="chip catalog YAML (default: evaluations/chips.yaml)")
+    g.add_argument("--catalog", default=None,
+                   help="chip catalog YAML, in place of the shipped one (default: pdd_serve/emulation/costmodel.yaml)")
     g = p.add_argument_group("tracking and output")
     g.add_argument("--experiment", default=None, help="MLflow experiment name")
     g.add_argument("--tracking-uri", default=None,
@@ -68,15 +69,15 @@ def _chips(items: list[str]) -> tuple[tuple[str, str], ...]:
 
 
 def _common_kwargs(args: argparse.Namespace, default_experiment: str) -> dict[str, Any]:
-    from evaluations.cost import DEFAULT_CATALOG
     from evaluations.harness import EvalEnv, parse_link
     from evaluations.loadgen import SLA, LoadConfig
+    from pdd_serve.emulation.costmodel import CATALOG_PATH
 
     try:
         return {"link": parse_link(args.link), "sla": SLA(args.sla_ttft, args.sla_tpot),
                 "load": LoadConfig(timeout_s=args.timeout),
                 "env": EvalEnv(args.cluster_port, args.state_dir, args.http_port, args.no_cluster, args.keep_cluster),
-                "site_chips": _chips(args.chip), "catalog": args.catalog or str(DEFAULT_CATALOG),
+                "site_chips": _chips(args.chip), "catalog": args.catalog or str(CATALOG_PATH),
                 "experiment": args.experiment or default_experiment, "tracking_uri": args.tracking_uri,
                 "mlflow": not args.no_mlflow, "out_dir": args.out, "progress": not args.no_progress}
     except ValueError as e:
@@ -194,7 +195,7 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-requests", type=int, default=t.max_requests, help="request cap (default: %(default)s)")
     g.add_argument("--arrival", choices=("trace", "poisson"), default="trace",
                    help="trace timestamps or Poisson arrivals (default: %(default)s)")
-    g.add_argument("--time-scale", type=float, default=1.0, help="stretch the trace's gaps (default: %(default)s)")
+    g.add_argument("--gap-scale", type=float, default=1.0, help="stretch the trace's gaps (default: %(default)s)")
     g.add_argument("--rate", type=float, default=1.0, help="poisson: requests per second (default: %(default)s)")
 
 
@@ -219,7 +220,7 @@ def _workload(args: argparse.Namespace) -> Any:
             path=args.trace, block_tokens=args.block_tokens, output_scale=args.output_scale,
             min_output_tokens=args.min_output_tokens, max_output_tokens=args.max_output_tokens,
             start_s=args.start_s, window_s=args.window_s, max_requests=args.max_requests, arrival=args.arrival,
-            time_scale=args.time_scale, rate=args.rate, seed=args.seed))
+            gap_scale=args.gap_scale, rate=args.rate, seed=args.seed))
     except TraceError as e:
         raise _usage(f"pdd compare: error: {e}") from None
     except ValueError as e:
@@ -253,6 +254,7 @@ def _run_compare(args: argparse.Namespace) -> int:
     from evaluations.cost import CatalogError
     from evaluations.harness import DEFAULT_GRAPHS, SHAPED_GRAPHS, EvalError
     from pdd_serve.cluster.local import ClusterError
+    from pdd_serve.emulation.costmodel import CostModelError
 
     scenario = None
     if args.emulate:
@@ -269,7 +271,7 @@ def _run_compare(args: argparse.Namespace) -> int:
                 raise _usage(f"pdd compare: error: {scenario.path}: workload.{k}: unknown agentic workload setting")
             setattr(args, k, v)
         args.link = json.dumps(scenario.link)
-        args.sla_ttft, args.sla_tpot = scenario.sla["ttft_s"], scenario.sla["tpot_s"]
+        args.sla_ttft, args.sla_tpot = scenario.sla.ttft_s, scenario.sla.tpot_s
     workload = _workload(args)
     default = SHAPED_GRAPHS if args.shaped_link else DEFAULT_GRAPHS
     graphs = tuple(g.strip() for g in args.graphs.split(",") if g.strip()) if args.graphs else default
@@ -290,7 +292,7 @@ def _run_compare(args: argparse.Namespace) -> int:
         raise _usage(f"pdd compare: error: {e}") from None
     try:
         res = run_compare(workload, cfg)
-    except (EvalError, ClusterError, CatalogError) as e:
+    except (EvalError, ClusterError, CatalogError, CostModelError) as e:
         return _fail("compare", e)
     return 1 if res["headline"]["mismatched_requests"] or any(
         s["errors"] for s in res["summaries"].values()) else 0
@@ -299,7 +301,7 @@ def _run_compare(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- sweep
 
 SWEEP_DESCRIPTION = """\
-PDD's benefit over naive cross-DC PD as a function of the prefix-hit rate (PDD.md's bathtub).
+PDD's benefit over naive cross-DC PD as a function of the prefix-hit rate (docs/pdd.md's bathtub).
 
   pdd sweep hit-rate [--points 0,0.4,0.7,0.95] [--requests 6]
 
@@ -337,6 +339,7 @@ def _run_sweep(args: argparse.Namespace) -> int:
     from evaluations.harness import EvalError
     from evaluations.sweep import SweepConfig, run_sweep
     from pdd_serve.cluster.local import ClusterError
+    from pdd_serve.emulation.costmodel import CostModelError
 
     try:
         points = tuple(float(x) for x in args.points.split(",") if x.strip())
@@ -347,7 +350,7 @@ def _run_sweep(args: argparse.Namespace) -> int:
         raise _usage(f"pdd sweep hit-rate: error: {e}") from None
     try:
         res = run_sweep(cfg)
-    except (EvalError, ClusterError, CatalogError) as e:
+    except (EvalError, ClusterError, CatalogError, CostModelError) as e:
         return _fail("sweep hit-rate", e)
     return 0 if res["final"]["outputs_identical"] else 1
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from evaluations.cost import DEFAULT_CATALOG, bcr, hardware_cost, load_catalog
+from evaluations.cost import bcr, hardware_cost
 from evaluations.harness import (
     DEFAULT_GRAPHS,
     EvalEnv,
@@ -48,6 +48,9 @@ from evaluations.harness import (
 from evaluations.loadgen import SLA, LoadConfig, RequestRecord, makespan, summarize_run
 from evaluations.workloads import Workload
 from pdd_serve.config import PDDConfig
+from pdd_serve.emulation.clock import Clock
+from pdd_serve.emulation.costmodel import CATALOG_PATH, load_catalog
+from pdd_serve.emulation.pacer import build_emulation
 
 SAME, CROSS, NAIVE, PDD = "pd_same_dc", "pd_cross_dc", "pd_cross_dc_naive", "pdd"
 TARGETS: dict[str, tuple[str, float | bool]] = {
@@ -71,7 +74,7 @@ class CompareConfig:
     repeats: int = 1  # graph order alternates between repeats (contention drifts on shared machines)
     naive_once: bool = False  # the naive baseline runs in the first repeat only (it is the slowest to run)
     site_chips: tuple[tuple[str, str], ...] = (("a", "cpu"), ("b", "cpu"))
-    catalog: str = str(DEFAULT_CATALOG)
+    catalog: str = str(CATALOG_PATH)  # the one chip catalog, or a user's own
     experiment: str = "pdd-compare"
     tracking_uri: str | None = None
     mlflow: bool = True
@@ -109,7 +112,7 @@ class GraphResult:
                 for row in record_rows(run, graph=self.graph.name, repeat=i, link_seed=seed)]
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
+def safe_ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or (isinstance(a, float) and math.isnan(a)) or not b or math.isnan(b):
         return None
     return a / b
@@ -179,7 +182,7 @@ def modeled_floor(r: RequestRecord, cfg: PDDConfig, latency_s: float, bandwidth_
     first token's hop back, and MD's first step alone. A relay pipeline's first token is P's."""
     from pdd_serve.serve.prefill import PREFILL_CHUNK_TOKENS
 
-    pre = modeled_prefill_s(r.prompt_tokens, r.pdd.get("prefix_hit_p") or 0.0, cfg.emulation_for("prefill"),
+    pre = modeled_prefill_s(r.prompt_tokens, r.pdd.get("prefix_hit_p") or 0.0, build_emulation(cfg, "prefill"),
                             PREFILL_CHUNK_TOKENS)
     pipeline = r.pdd.get("pipeline", "P-MD")
     if pipeline != "P-MD" or stream_first_token:
@@ -187,7 +190,7 @@ def modeled_floor(r: RequestRecord, cfg: PDDConfig, latency_s: float, bandwidth_
     cross = cfg.sites.prefill != cfg.sites.main_decode
     hops = first_token_hops(pipeline, stream_first_token) if cross else 0
     wire = int(r.pdd.get("wan_bytes") or 0) * 8 / bandwidth_bps if cross and bandwidth_bps else 0.0
-    return max(pre, wire) + hops * latency_s + cfg.emulation_for("main_decode").decode_s(1, r.prompt_tokens)
+    return max(pre, wire) + hops * latency_s + build_emulation(cfg, "main_decode").decode_s(1, r.prompt_tokens)
 
 
 def floors(results: Mapping[str, GraphResult], stream_first_token: bool = False) -> dict[str, dict[str, Any]]:
@@ -229,7 +232,7 @@ def floors(results: Mapping[str, GraphResult], stream_first_token: bool = False)
             known = sum(v or 0.0 for k, v in brk.items() if k not in ("pmd_ttft_s_p50", "pmd_md_kv_land_s_p50"))
             brk["pmd_cross_site_rest_s_p50"] = brk["pmd_ttft_s_p50"] - known  # calls to B, tokens back to A
         out[name] = {"ttft_floor_p50_s": median(fl), "ttft_floor_p90_s": percentile(fl, 0.9),
-                     "ttft_vs_floor_p50": _ratio(median(ttfts), median(fl)),
+                     "ttft_vs_floor_p50": safe_ratio(median(ttfts), median(fl)),
                      "ttft_over_floor_median": median(ratios), "pmd_requests": len(pmd), **brk}
     return out
 
@@ -237,7 +240,7 @@ def floors(results: Mapping[str, GraphResult], stream_first_token: bool = False)
 def goodput_ratio(p: Mapping[str, Any], base: Mapping[str, Any]) -> tuple[float | None, str | None]:
     """PDD's goodput over a baseline's; when the baseline met the SLA on no request, the ratio of
     SLA-meeting requests against one (a lower bound), with a note saying so. Never null when both ran."""
-    r = _ratio(p.get("goodput_rps"), base.get("goodput_rps"))
+    r = safe_ratio(p.get("goodput_rps"), base.get("goodput_rps"))
     if r is not None or not base or not p:
         return r, None
     if base.get("sla_ok") == 0 and p.get("sla_ok") is not None and base.get("requests") and p.get("requests"):
@@ -256,10 +259,10 @@ def headline(summaries: Mapping[str, Mapping[str, Any]], identical: bool, mismat
     g_naive, note_naive = goodput_ratio(p, n)
     out: dict[str, Any] = {
         "p50_ttft_vs_floor": p.get("ttft_vs_floor_p50"),
-        "p90_ttft_vs_cross_dc": _ratio(p.get("ttft_p90_s"), c.get("ttft_p90_s")),
-        "p90_ttft_vs_cross_dc_naive": _ratio(p.get("ttft_p90_s"), n.get("ttft_p90_s")),
-        "p50_ttft_vs_same_dc": _ratio(p.get("ttft_p50_s"), s.get("ttft_p50_s")),
-        "itl_p99_vs_same_dc": _ratio(p.get("itl_p99_s"), s.get("itl_p99_s")),
+        "p90_ttft_vs_cross_dc": safe_ratio(p.get("ttft_p90_s"), c.get("ttft_p90_s")),
+        "p90_ttft_vs_cross_dc_naive": safe_ratio(p.get("ttft_p90_s"), n.get("ttft_p90_s")),
+        "p50_ttft_vs_same_dc": safe_ratio(p.get("ttft_p50_s"), s.get("ttft_p50_s")),
+        "itl_p99_vs_same_dc": safe_ratio(p.get("itl_p99_s"), s.get("itl_p99_s")),
         "goodput_vs_cross_dc": g_cross,
         "goodput_vs_cross_dc_naive": g_naive,
         "rld_token_share": p.get("rld_token_share"),
@@ -267,19 +270,19 @@ def headline(summaries: Mapping[str, Mapping[str, Any]], identical: bool, mismat
         "control_latency_emulated": control_latency,
         # what PDD could reach at best, with no WAN at all (same-DC over each baseline): a target
         # past these is past the machine's physics, whatever the relay does
-        "p90_ttft_vs_cross_dc_floor": _ratio(s.get("ttft_p90_s"), c.get("ttft_p90_s")),
-        "goodput_vs_cross_dc_ceiling": _ratio(s.get("goodput_rps"), c.get("goodput_rps")),
-        "p50_ttft_vs_cross_dc": _ratio(p.get("ttft_p50_s"), c.get("ttft_p50_s")),
-        "p99_ttft_vs_cross_dc": _ratio(p.get("ttft_p99_s"), c.get("ttft_p99_s")),
+        "p90_ttft_vs_cross_dc_floor": safe_ratio(s.get("ttft_p90_s"), c.get("ttft_p90_s")),
+        "goodput_vs_cross_dc_ceiling": safe_ratio(s.get("goodput_rps"), c.get("goodput_rps")),
+        "p50_ttft_vs_cross_dc": safe_ratio(p.get("ttft_p50_s"), c.get("ttft_p50_s")),
+        "p99_ttft_vs_cross_dc": safe_ratio(p.get("ttft_p99_s"), c.get("ttft_p99_s")),
         "cross_dc_p50_ttft_vs_floor": c.get("ttft_vs_floor_p50"),
-        "p90_tt2t_vs_cross_dc": _ratio(p.get("tt2t_p90_s"), c.get("tt2t_p90_s")),
-        "p50_tt2t_vs_same_dc": _ratio(p.get("tt2t_p50_s"), s.get("tt2t_p50_s")),
-        "p90_e2e_vs_cross_dc": _ratio(p.get("e2e_p90_s"), c.get("e2e_p90_s")),
-        "goodput_vs_same_dc": _ratio(p.get("goodput_rps"), s.get("goodput_rps")),
-        "sla_attainment_vs_cross_dc": _ratio(p.get("sla_attainment"), c.get("sla_attainment")),
-        "bcr_vs_cross_dc": _ratio(p.get("bcr_req_per_usd"), c.get("bcr_req_per_usd")),
-        "bcr_vs_same_dc": _ratio(p.get("bcr_req_per_usd"), s.get("bcr_req_per_usd")),
-        "wan_bytes_vs_cross_dc": _ratio(p.get("wan_bytes"), c.get("wan_bytes")),
+        "p90_tt2t_vs_cross_dc": safe_ratio(p.get("tt2t_p90_s"), c.get("tt2t_p90_s")),
+        "p50_tt2t_vs_same_dc": safe_ratio(p.get("tt2t_p50_s"), s.get("tt2t_p50_s")),
+        "p90_e2e_vs_cross_dc": safe_ratio(p.get("e2e_p90_s"), c.get("e2e_p90_s")),
+        "goodput_vs_same_dc": safe_ratio(p.get("goodput_rps"), s.get("goodput_rps")),
+        "sla_attainment_vs_cross_dc": safe_ratio(p.get("sla_attainment"), c.get("sla_attainment")),
+        "bcr_vs_cross_dc": safe_ratio(p.get("bcr_req_per_usd"), c.get("bcr_req_per_usd")),
+        "bcr_vs_same_dc": safe_ratio(p.get("bcr_req_per_usd"), s.get("bcr_req_per_usd")),
+        "wan_bytes_vs_cross_dc": safe_ratio(p.get("wan_bytes"), c.get("wan_bytes")),
         "mismatched_requests": mismatched,
     }
     if note_cross:
@@ -302,7 +305,7 @@ def headline(summaries: Mapping[str, Mapping[str, Any]], identical: bool, mismat
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}
 
 
-# The PDD report's margins, the goal an emulated comparison is read against (PDD.md)
+# The PDD report's margins, the goal an emulated comparison is read against (docs/pdd.md)
 REPORT_MARGINS = {"p90_ttft_vs_cross_dc": ("<=", 0.5), "goodput_vs_cross_dc_naive": (">=", 1.278),
                   "bcr_gain_vs_same_dc": (">=", 0.30)}
 
@@ -336,7 +339,7 @@ def emulated_headline(results: Mapping[str, GraphResult], summaries: Mapping[str
         per_repeat.append(rep)
     out: dict[str, Any] = {"emulated": True, "scenario": sc.name, "time_scale": sc.time_scale,
                            "relay_cost_fraction": sc.relay_cost_fraction,
-                           "repeats": cfg.repeats, "emulated_model": sc.model,
+                           "repeats": cfg.repeats, "emulated_model": sc.model.name,
                            "chips": {n: role_chips(r.graph.cfg) for n, r in results.items()},
                            "emulated_cost_per_hour": {n: cost_per_hour(r.graph.cfg, sc.relay_cost_fraction) for n, r in results.items()}}
     for k, vals in repeat_ratios(per_repeat, PDD, CROSS, NAIVE, SAME).items():
@@ -367,31 +370,33 @@ def emulated_headline(results: Mapping[str, GraphResult], summaries: Mapping[str
     if not known:
         log_err(f"WARNING: the overrun of {runs - read} run(s) and {lost} replica(s) could not be read: "
                 "emulation_overrun_ok is unknown")
-    warn = overrun_warning(stats, sc.time_scale)
+    clock = Clock(sc.time_scale)
+    warn = overrun_warning(stats, clock)
     if warn:
         log_err(f"WARNING: {warn}")
     out["emulation_overrun_warning"] = warn
     # Slow motion divides the real software work (HTTP, Serve calls, the Router, asyncio) by
     # time_scale; on real chips it is not smaller. Measured on same-DC P->MD requests (no link):
     # TTFT less the modeled prefill and first decode step, in REAL ms
-    over, n_alone = software_overhead_real_s(results.get(SAME), sc.time_scale)
+    over, n_alone = software_overhead_real_s(results.get(SAME), clock)
     out["software_overhead_ms_p50"] = None if over is None else over * 1e3
     out["software_overhead_requests"] = n_alone
     floor = summaries.get(PDD, {}).get("ttft_floor_p50_s")
     p50 = summaries.get(PDD, {}).get("ttft_p50_s")
     if over is not None and floor and p50 is not None:
         # what PDD's P50 would be with the serving software at full size, against the floor built
-        # from the modeled steps, hops and bytes (no software in it): no time_scale flatters PDD
-        out["p50_ttft_vs_floor_real_overhead"] = (p50 + over * (1 - 1 / sc.time_scale)) / floor
+        # from the modeled steps, hops and bytes (no software in it): no time_scale flatters PDD.
+        # P50 holds the overhead divided back like any time (over x clock.emulated(1)): add the rest
+        out["p50_ttft_vs_floor_real_overhead"] = (p50 + over * (1 - clock.emulated(1))) / floor
     out["ttft_floor_from"] = "modeled steps: prefill alone, KV at the line's mean rate, hops, MD's first step alone"
     out["report_margins"] = {k: f"{op} {v}" for k, (op, v) in REPORT_MARGINS.items()}
     return out
 
 
-def software_overhead_real_s(res: GraphResult | None, time_scale: float) -> tuple[float | None, int]:
+def software_overhead_real_s(res: GraphResult | None, clock: Clock) -> tuple[float | None, int]:
     """Median real seconds a same-DC P->MD request spends outside the modeled chip time before its
     first token: TTFT minus the cost model's prefill (256-token chunks past the prefix hit) and
-    one decode step, times time_scale. Only requests that had the graph to themselves until their
+    one decode step, in real seconds on the graph's `clock`. Only requests that had the graph to themselves until their
     first token count (no other request in flight): a queue would read as software time. Returns
     (median, requests it is over)."""
 
@@ -399,7 +404,7 @@ def software_overhead_real_s(res: GraphResult | None, time_scale: float) -> tupl
 
     if res is None:
         return None, 0
-    p, md = res.graph.cfg.emulation_for("prefill"), res.graph.cfg.emulation_for("main_decode")
+    p, md = build_emulation(res.graph.cfg, "prefill"), build_emulation(res.graph.cfg, "main_decode")
     out = []
     for run in res.runs:
         spans = [(r.t_send_s, r.t_done_s) for r in run if r.t_send_s is not None and r.t_done_s is not None]
@@ -409,15 +414,15 @@ def software_overhead_real_s(res: GraphResult | None, time_scale: float) -> tupl
             first = r.t_send_s + r.ttft_s
             if sum(1 for a, b in spans if a < first and b > r.t_send_s) > 1:  # itself, and another
                 continue
-            out.append(_overhead_of(r, p, md, time_scale, PREFILL_CHUNK_TOKENS))
+            out.append(_overhead_of(r, p, md, clock, PREFILL_CHUNK_TOKENS))
     return (statistics.median(out) if out else None), len(out)
 
 
-def _overhead_of(r: RequestRecord, p: Any, md: Any, time_scale: float, chunk: int) -> float:
+def _overhead_of(r: RequestRecord, p: Any, md: Any, clock: Clock, chunk: int) -> float:
     """One request's real seconds outside the modeled prefill chunks and first decode step."""
     modeled = modeled_prefill_s(r.prompt_tokens, r.pdd.get("prefix_hit_p") or 0.0, p, chunk)
     modeled += md.decode_s(1, r.prompt_tokens)
-    return (r.ttft_s - modeled) * time_scale
+    return clock.real(r.ttft_s - modeled)
 
 
 def add_sim_predictions(head: dict[str, Any], sim: Mapping[str, Any]) -> None:
@@ -455,7 +460,7 @@ def add_sim_predictions(head: dict[str, Any], sim: Mapping[str, Any]) -> None:
     head["sim_vs_real"] = {g: {k: round(x, 3) for k, x in v["rel_error"].items()} for g, v in sim.items()}
 
 
-def _git_commit() -> str:
+def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               timeout=10).stdout.strip()
@@ -470,7 +475,7 @@ def common_params(workload: Workload, sla: SLA, load: LoadConfig, site_chips: Ma
     out = {f"workload.{k}": v for k, v in workload.param_dict().items()}
     out.update({"workload": workload.name, "sla.ttft_s": sla.ttft_s, "sla.tpot_s": sla.tpot_s,
                 "ignore_eos": load.ignore_eos, "repeats": repeats, "catalog": catalog_path,
-                "machine": f"{platform.machine()} {os.cpu_count()} CPUs", "git_commit": _git_commit()})
+                "machine": f"{platform.machine()} {os.cpu_count()} CPUs", "git_commit": git_commit()})
     out.update({f"chip.{s}": c for s, c in site_chips.items()})
     return out
 
@@ -551,11 +556,11 @@ def run_compare(workload: Workload, cfg: CompareConfig = CompareConfig(),
     if cfg.emulate is not None:
         head.update(emulated_headline(results, summaries, cfg))
         try:  # the simulator replays the same requests on the same scenario (a failure costs only this)
-            from evaluations.sim.emulated import simulate_records
+            from evaluations.sim.validate import simulate_records
 
             rows = [row for res in results.values() for row in res.rows()]
             over = head.get("software_overhead_ms_p50")
-            ov_s = over / 1e3 / cfg.emulate.time_scale if over is not None else 0.0
+            ov_s = Clock(cfg.emulate.time_scale).emulated(over / 1e3) if over is not None else 0.0
             head["sim_request_overhead_s"] = ov_s
             add_sim_predictions(head, simulate_records(cfg.emulate, graphs, rows, out_dir, request_overhead_s=ov_s))
         except Exception as e:  # noqa: BLE001
@@ -578,7 +583,7 @@ def run_compare(workload: Workload, cfg: CompareConfig = CompareConfig(),
                                                      default=str))
     run_ids: dict[str, str] = {}
     if tracker is not None:
-        run_ids = _log_compare(tracker, workload, cfg, results, summaries, head, catalog, site_chips, out_dir, cdf)
+        run_ids = log_compare(tracker, workload, cfg, results, summaries, head, catalog, site_chips, out_dir, cdf)
         log(f"logged to MLflow {tracker.uri}, experiment {cfg.experiment} (parent run {run_ids.get('parent', '')})")
     log(f"artifacts in {out_dir}")
     if cfg.emulate is not None:
@@ -590,7 +595,7 @@ def run_compare(workload: Workload, cfg: CompareConfig = CompareConfig(),
     return {"summaries": summaries, "headline": head, "results": results, "run_ids": run_ids, "out_dir": out_dir}
 
 
-def _log_compare(tracker: Any, workload: Workload, cfg: CompareConfig, results: Mapping[str, GraphResult],
+def log_compare(tracker: Any, workload: Workload, cfg: CompareConfig, results: Mapping[str, GraphResult],
                  summaries: Mapping[str, Mapping[str, Any]], head: Mapping[str, Any], catalog: Any,
                  site_chips: Mapping[str, str], out_dir: Path, cdf: Path) -> dict[str, str]:
     from evaluations.report import ttft_cdf_plot, write_parquet

@@ -1,9 +1,9 @@
-"""Hardware cost and BCR (PDD.md: benefit-cost ratio = effective throughput within the SLA / cost).
+"""Hardware cost and BCR (docs/pdd.md: benefit-cost ratio = effective throughput within the SLA / cost).
 
 A graph's cost per hour is one chip per replica of each role at that role's site (the chip a site
 runs comes from the graph's `sites.chips` when it names one, else from the command line's `--chip`;
-its price from the catalog, evaluations/chips.yaml), plus the inter-DC line when Prefill and Main
-decode sit at different sites. BCR is reported as SLA-meeting
+its price from the one catalog, pdd_serve/emulation/costmodel.yaml, or `--catalog`), plus the
+inter-DC line when Prefill and Main decode sit at different sites. BCR is reported as SLA-meeting
 requests per USD: goodput (req/s) x 3600 / cost (USD/h).
 """
 
@@ -11,77 +11,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 from pdd_serve.config import PDDConfig
-
-DEFAULT_CATALOG = Path(__file__).with_name("chips.yaml")
+from pdd_serve.emulation.costmodel import Catalog
 
 
 class CatalogError(ValueError):
-    """A chip catalog that can't be used; the message names the file and entry."""
-
-
-@dataclass(frozen=True)
-class Chip:
-    name: str
-    price_per_hour: float  # USD per chip-hour
-    peak_tflops: float | None = None
-    memory_gb: float | None = None
-    memory_bw_tbps: float | None = None
-    interconnect_gbps: float | None = None
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.price_per_hour, (int, float)) and self.price_per_hour >= 0
-                and math.isfinite(self.price_per_hour)):
-            raise CatalogError(f"chip {self.name}: price_per_hour must be a number >= 0, got {self.price_per_hour!r}")
-
-
-@dataclass(frozen=True)
-class Catalog:
-    chips: Mapping[str, Chip]
-    links: Mapping[str, float] = field(default_factory=dict)  # line name -> USD/h
-    path: str = ""
-
-    def chip(self, name: str) -> Chip:
-        try:
-            return self.chips[name]
-        except KeyError:
-            raise CatalogError(f"chip {name!r} is not in the catalog {self.path or ''} "
-                               f"(known: {', '.join(sorted(self.chips))})") from None
-
-    def link_price(self, cross_site: bool) -> float:
-        return float(self.links.get("cross_dc" if cross_site else "same_dc", 0.0))
-
-
-def load_catalog(path: str | Path = DEFAULT_CATALOG) -> Catalog:
-    import yaml
-
-    path = Path(path)
-    try:
-        doc = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as e:
-        raise CatalogError(f"{path}: cannot read chip catalog: {e}") from None
-    if not isinstance(doc.get("chips"), dict) or not doc["chips"]:
-        raise CatalogError(f"{path}: expected a non-empty `chips:` mapping")
-    chips = {}
-    for name, entry in doc["chips"].items():
-        if not isinstance(entry, dict) or "price_per_hour" not in entry:
-            raise CatalogError(f"{path}: chips.{name} needs price_per_hour")
-        known = {k: entry[k] for k in Chip.__dataclass_fields__ if k in entry and k != "name"}
-        try:
-            chips[str(name)] = Chip(str(name), **known)
-        except CatalogError as e:
-            raise CatalogError(f"{path}: {e}") from None
-    links = {}
-    for name, entry in (doc.get("links") or {}).items():
-        price = entry.get("price_per_hour") if isinstance(entry, dict) else entry
-        if not isinstance(price, (int, float)) or price < 0:
-            raise CatalogError(f"{path}: links.{name}.price_per_hour must be a number >= 0")
-        links[str(name)] = float(price)
-    return Catalog(chips, links, str(path))
+    """A graph's chips that can't be priced (a site without a chip, a chip the catalog lacks)."""
 
 
 @dataclass(frozen=True)
@@ -127,12 +65,11 @@ def hardware_cost(cfg: PDDConfig, site_chips: Mapping[str, str], catalog: Catalo
         if site not in site_chips:
             raise CatalogError(f"no chip given for site {site!r} (graph {cfg.graph}); pass --chip {site}=NAME "
                                f"or set sites.chips.{site} in the graph")
-        try:
-            chip = catalog.chip(site_chips[site])
-        except CatalogError as e:
-            if site not in from_graph:
-                raise
-            raise CatalogError(f"graph {cfg.graph}: sites.chips.{site}: {e}") from None
+        name = site_chips[site]
+        if name not in catalog.chips:
+            msg = f"chip {name!r} is not in the catalog {catalog.path} (known: {', '.join(sorted(catalog.chips))})"
+            raise CatalogError(f"graph {cfg.graph}: sites.chips.{site}: {msg}" if site in from_graph else msg)
+        chip = catalog.chips[name]
         out.append((role, site, n, chip.name, float(chip.price_per_hour)))
     cross = s.prefill != s.main_decode
     return HardwareCost(tuple(out), catalog.link_price(cross), cross)

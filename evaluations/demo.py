@@ -53,7 +53,7 @@ def print_summary(rows: list[dict[str, Any]]) -> None:
               f"{', '.join(f'{k}: {v}' for k, v in r['handoffs'].items()) or '-'}")
 
 
-def _exposing_cache_hits(path: Path) -> Path:
+def exposing_cache_hits(path: Path) -> Path:
     """A private copy of the graph whose responses carry the cache facts the summary shows
     (`server.expose_cache_hits`: off in shipped graphs, since any client could probe the caches)."""
     import yaml
@@ -81,7 +81,7 @@ def run_demo(graph: str = "graphs/pdd.yaml", keep: bool = False, sessions: int =
     env = driver_env(ccfg)
     ok = False
     try:
-        url = deploy_graph(_exposing_cache_hits(path), env, log=log)
+        url = deploy_graph(exposing_cache_hits(path), env, log=log)
         w = AgenticWorkload(sessions=sessions, turns=turns)
         wl = agentic_workload(w)
         log(f"driving {wl.num_requests} requests: {sessions} agentic sessions x {turns} turns (target prefix hit "

@@ -17,6 +17,7 @@ from typing import Any
 from evaluations.loadgen import LoadConfig, RequestRecord, drive
 from evaluations.workloads import Workload
 from pdd_serve.config import ConfigError, PDDConfig, load_graph_yaml
+from pdd_serve.emulation.pacer import build_emulation
 
 DEFAULT_GRAPHS = ("graphs/pd_same_dc.yaml", "graphs/pd_cross_dc.yaml", "graphs/pd_cross_dc_naive.yaml",
                   "graphs/pdd.yaml")
@@ -176,6 +177,7 @@ def prepare_graphs(paths: Sequence[str | Path], out_dir: Path, http_port: int, l
         args.setdefault("policy", {})["stream_first_token"] = stream_first_token
         if emulate is not None:  # an EmulatedScenario (evaluations/sim/emulated.py): chips per graph
             args["emulate"] = emulate.emulate_block(str(args.get("graph", p.stem)))
+            args["time_scale"] = emulate.time_scale
         if "expose_cache_hits" in {f.name for f in dataclasses.fields(ServerConfig)}:
             args.setdefault("server", {})["expose_cache_hits"] = True  # the compare reads hit rates
         name = str(args.get("graph", p.stem))
@@ -196,7 +198,7 @@ def link_seed(g: PreparedGraph) -> int | None:
     """The seed of a cross-site graph's link jitter as deployed (None: same site)."""
     if not g.cross_site:
         return None
-    return int(g.cfg.link.build(2048).config.seed)
+    return int(g.cfg.link.line(2048).seed)
 
 
 def for_repeat(g: PreparedGraph, rep: int) -> PreparedGraph:
@@ -233,8 +235,8 @@ def link_params(g: PreparedGraph) -> dict[str, Any]:
     except Exception:  # params only: a missing spec must not stop a run
         kv = 2048
     if g.cfg.emulated:  # the bytes on the line are the emulated model's
-        kv = g.cfg.emulation_for("prefill").kv_bytes_per_token
-    lm = g.cfg.link.build(kv, raw=g.cfg.emulated).config  # the line's configured rate, per emulated byte when emulated
+        kv = build_emulation(g.cfg, "prefill").kv_bytes_per_token
+    lm = g.cfg.link.line(kv, raw=g.cfg.emulated)  # the line's configured rate, per emulated byte when emulated
     out.update({"link.bandwidth_bps": lm.bandwidth_bps, "link.one_way_latency_s": lm.one_way_latency_s,
                 "link.jitter": lm.jitter, "link.sigma": lm.sigma, "link.epoch_s": lm.epoch_s,
                 "kv_bytes_per_token": kv})
@@ -270,7 +272,7 @@ def engine_params(cfg: PDDConfig) -> dict[str, Any]:
 def settle_for(graph: PreparedGraph) -> Callable[[list[RequestRecord]], float]:
     """How long to wait after a warm-up: until its KV has crossed the link (with margin), because a
     warm-up answered by the relay alone is absorbed into MD's cache only once its KV arrived."""
-    lm = graph.cfg.link.build(2048, raw=graph.cfg.emulated).config
+    lm = graph.cfg.link.line(2048, raw=graph.cfg.emulated)
 
     def settle(warm: list[RequestRecord]) -> float:  # emulated seconds when the graph emulates
         if lm.bandwidth_bps is None:

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from evaluations.workloads import Session, Turn, Workload
+from pdd_serve.emulation.clock import Clock
 
 
 @dataclass
@@ -70,16 +71,34 @@ class RequestRecord:
         return row
 
 
+TTFT_FROM = ("decoder", "prefill", "client")
+
+
 @dataclass(frozen=True)
 class SLA:
-    """A request meets the SLA when its TTFT and its TPOT are within these targets."""
+    """The one SLA (`pdd compare`, emulated and simulator scenarios): a request meets it when its
+    TTFT and its TPOT are within these targets; goodput is the highest rate at which `attainment`
+    of the requests do."""
 
     ttft_s: float = 1.0
     tpot_s: float = 0.1
+    attainment: float = 0.9
+    # which first token TTFT counts, where the simulator models it (a real run's client measures
+    # what it receives): decoder, when a decoder starts streaming (PD systems such as the report's,
+    # where the decode side returns every token); prefill, P streams its own token first (the
+    # Router with policy.stream_first_token on); client, what the Router sends by default (P->MD
+    # holds P's token until MD's first chunk; the relay pipelines send it at once)
+    ttft_from: str = "client"
 
     def __post_init__(self) -> None:
-        if not (self.ttft_s > 0 and self.tpot_s > 0):
-            raise ValueError(f"SLA targets must be > 0, got ttft_s={self.ttft_s}, tpot_s={self.tpot_s}")
+        for f in ("ttft_s", "tpot_s"):
+            v = getattr(self, f)
+            if not (isinstance(v, (int, float)) and v > 0):
+                raise ValueError(f"{f}: must be > 0, got {v!r}")
+        if not 0 < self.attainment <= 1:
+            raise ValueError(f"attainment: must be in (0, 1], got {self.attainment!r}")
+        if self.ttft_from not in TTFT_FROM:
+            raise ValueError(f"ttft_from: must be one of {TTFT_FROM}, got {self.ttft_from!r}")
 
     def meets(self, r: RequestRecord) -> bool:
         if r.error or r.ttft_s is None or r.ttft_s > self.ttft_s:
@@ -94,8 +113,8 @@ class LoadConfig:
     ignore_eos: bool = True
     api_key: str | None = None
     max_connections: int = 256
-    # an emulated graph's slow motion: arrivals, think times and the timeout stretch by it, and
-    # every measured time is divided back, so records read in emulated seconds
+    # an emulated graph's slow motion (pdd_serve/emulation/clock.py): arrivals, think times and the
+    # timeout stretch by it, and every measured time is divided back, so records read in emulated seconds
     time_scale: float = 1.0
     # closed loop: this many clients, each starting the next session when its last one ended
     # (sessions' start_s ignored); None: open loop, every session at its start_s
@@ -108,6 +127,10 @@ class LoadConfig:
             raise ValueError(f"LoadConfig.clients must be > 0 or None, got {self.clients}")
         if not self.time_scale > 0:
             raise ValueError(f"LoadConfig.time_scale must be > 0, got {self.time_scale}")
+
+    @property
+    def clock(self) -> Clock:
+        return Clock(self.time_scale)
 
 
 async def stream_completion(client: Any, base_url: str, prompt: Sequence[int], turn: Turn, rec: RequestRecord,
@@ -124,7 +147,7 @@ async def stream_completion(client: Any, base_url: str, prompt: Sequence[int], t
     parts: list[str] = []
     try:
         async with client.stream("POST", f"{base_url}/v1/completions", json=body, headers=headers,
-                                 timeout=cfg.timeout_s * cfg.time_scale) as r:
+                                 timeout=cfg.clock.real(cfg.timeout_s)) as r:
             rec.status = r.status_code
             if r.status_code != 200:
                 rec.error = f"HTTP {r.status_code}: " + (await r.aread()).decode(errors="replace")[:300]
@@ -173,25 +196,25 @@ async def run_workload(base_url: str, sessions: Iterable[Session], cfg: LoadConf
     sessions = list(sessions)
     records: list[RequestRecord] = []
     limits = httpx.Limits(max_connections=cfg.max_connections, max_keepalive_connections=64)
-    ts = cfg.time_scale
-    async with httpx.AsyncClient(limits=limits, timeout=cfg.timeout_s * ts, transport=transport) as client:
+    clock = cfg.clock
+    async with httpx.AsyncClient(limits=limits, timeout=clock.real(cfg.timeout_s), transport=transport) as client:
         t_start = time.monotonic()
 
         async def one(s: Session) -> None:
             if cfg.clients is None:
-                await asyncio.sleep(max(0.0, s.start_s * ts - (time.monotonic() - t_start)))
+                await asyncio.sleep(max(0.0, clock.real(s.start_s) - (time.monotonic() - t_start)))
             context: list[int] = []
             for i, turn in enumerate(s.turns):
                 if i and turn.think_s:
-                    await asyncio.sleep(turn.think_s * ts)
+                    await asyncio.sleep(clock.real(turn.think_s))
                 if turn.reset_to is not None:
                     context = context[: turn.reset_to]
                 context = context + list(turn.tokens)
                 rec = RequestRecord(s.session_id, i, turn.kind, len(context), turn.planned_hit, turn.max_tokens,
                                     time.monotonic() - t_start)
                 await stream_completion(client, base_url, context, turn, rec, cfg)
-                if ts != 1.0:
-                    _to_emulated(rec, ts)
+                if cfg.time_scale != 1.0:
+                    to_emulated(rec, clock)
                 records.append(rec)
                 if progress is not None:
                     progress.update(1)
@@ -218,14 +241,14 @@ async def run_workload(base_url: str, sessions: Iterable[Session], cfg: LoadConf
     return sorted(records, key=lambda r: (r.t_send_s is None, r.t_send_s or 0.0, r.session_id, r.turn))
 
 
-def _to_emulated(rec: RequestRecord, ts: float) -> None:
+def to_emulated(rec: RequestRecord, clock: Clock) -> None:
     """A record measured in real seconds, read in emulated ones (the router's `pdd` facts already are)."""
     for k in ("t_send_s", "e2e_s", "ttft_s", "tt2t_s", "tpot_s", "itl_max_s"):
         v = getattr(rec, k)
         if v is not None:
-            setattr(rec, k, v / ts)
+            setattr(rec, k, clock.emulated(v))
     if rec.itl_s:
-        rec.itl_s = [x / ts for x in rec.itl_s]
+        rec.itl_s = [clock.emulated(x) for x in rec.itl_s]
 
 
 def run_sessions(base_url: str, sessions: Iterable[Session], progress: Any = None,
@@ -249,7 +272,7 @@ def drive(base_url: str, workload: Workload, cfg: LoadConfig = LoadConfig(), des
         bad = [r for r in warm if r.error]
         if bad:
             log(f"warning: {len(bad)} warm-up request(s) failed, e.g. {bad[0].error}")
-        time.sleep((settle_s(warm) if callable(settle_s) else settle_s) * cfg.time_scale)
+        time.sleep(cfg.clock.real(settle_s(warm) if callable(settle_s) else settle_s))
     with tqdm(total=workload.num_requests, desc=desc, unit="req", disable=not progress, leave=False) as bar:
         return asyncio.run(run_workload(base_url, workload.sessions, cfg, bar))
 

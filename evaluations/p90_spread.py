@@ -25,6 +25,7 @@ from evaluations.sim.config import Scenario, load_scenario
 from evaluations.sim.metrics import ttft
 from evaluations.sim.simulator import Simulation
 from evaluations.sim.validate import read_records, records_to_workload, with_link_seed
+from pdd_serve.emulation.clock import Clock
 
 
 def tiled(rows: list[dict[str, Any]], k: int, gap_s: float = 2.0) -> list[dict[str, Any]]:
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--draws must be >= 3")
     sc = load_scenario(args.run_dir / "sim_scenario.yaml")
     head = json.loads((args.run_dir / "summary.json").read_text())["headline"] if (args.run_dir / "summary.json").is_file() else {}
-    ov = (args.overhead_ms / 1e3 / head.get("time_scale", 1.0) if args.overhead_ms is not None
+    ov = (Clock(head.get("time_scale", 1.0)).emulated(args.overhead_ms / 1e3) if args.overhead_ms is not None
           else head.get("sim_request_overhead_s", 0.0))
     sc = dataclasses.replace(sc, scheduler=dataclasses.replace(sc.scheduler, request_overhead_s=ov))
     try:

@@ -158,7 +158,7 @@ def ttft_cdf_plot(by_graph: Mapping[str, Sequence[RequestRecord]], path: Path, t
 
 
 def sweep_plot(points: Sequence[Mapping[str, Any]], path: Path, title: str = "") -> Path:
-    """Benefit of PDD over cross-DC PD against the prefix-hit rate (PDD.md's bathtub)."""
+    """Benefit of PDD over cross-DC PD against the prefix-hit rate (docs/pdd.md's bathtub)."""
     plt = _plt()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     xs = [p["hit_rate"] for p in points]

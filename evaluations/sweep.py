@@ -1,4 +1,4 @@
-"""`pdd sweep hit-rate`: PDD's benefit over cross-DC PD against the prefix-hit rate (PDD.md's bathtub).
+"""`pdd sweep hit-rate`: PDD's benefit over cross-DC PD against the prefix-hit rate (docs/pdd.md's bathtub).
 
 Each graph is deployed once and runs every point in turn (each point's prefixes are its own, so a
 point starts from cold caches); one MLflow run per point (both graphs' figures and the benefit
@@ -18,12 +18,12 @@ from evaluations.compare import (
     CROSS,
     PDD,
     GraphResult,
-    _ratio,
     common_params,
     outputs_identity,
+    safe_ratio,
     summarize_graph,
 )
-from evaluations.cost import DEFAULT_CATALOG, hardware_cost, load_catalog
+from evaluations.cost import hardware_cost
 from evaluations.harness import (
     EvalEnv,
     EvalError,
@@ -38,6 +38,7 @@ from evaluations.harness import (
 )
 from evaluations.loadgen import SLA, LoadConfig
 from evaluations.workloads import SweepWorkload, sweep_workload
+from pdd_serve.emulation.costmodel import CATALOG_PATH, load_catalog
 
 SWEEP_GRAPHS = ("graphs/pd_cross_dc.yaml", "graphs/pdd.yaml")
 
@@ -56,7 +57,7 @@ class SweepConfig:
     load: LoadConfig = field(default_factory=LoadConfig)
     env: EvalEnv = field(default_factory=EvalEnv)
     site_chips: tuple[tuple[str, str], ...] = (("a", "cpu"), ("b", "cpu"))
-    catalog: str = str(DEFAULT_CATALOG)
+    catalog: str = str(CATALOG_PATH)
     experiment: str = "pdd-sweep-hit-rate"
     tracking_uri: str | None = None
     mlflow: bool = True
@@ -83,13 +84,13 @@ def point_row(hit: float, summaries: Mapping[str, Mapping[str, Any]], identical:
         "pdd_tt2t_p90_s": p.get("tt2t_p90_s"), "cross_tt2t_p90_s": c.get("tt2t_p90_s"),
         "pdd_ttft_p90_s": p.get("ttft_p90_s"), "cross_ttft_p90_s": c.get("ttft_p90_s"),
         "pdd_e2e_p90_s": p.get("e2e_p90_s"), "cross_e2e_p90_s": c.get("e2e_p90_s"),
-        "tt2t_p90_speedup": _ratio(c.get("tt2t_p90_s"), p.get("tt2t_p90_s")),
-        "ttft_p90_speedup": _ratio(c.get("ttft_p90_s"), p.get("ttft_p90_s")),
-        "e2e_p90_speedup": _ratio(c.get("e2e_p90_s"), p.get("e2e_p90_s")),
+        "tt2t_p90_speedup": safe_ratio(c.get("tt2t_p90_s"), p.get("tt2t_p90_s")),
+        "ttft_p90_speedup": safe_ratio(c.get("ttft_p90_s"), p.get("ttft_p90_s")),
+        "e2e_p90_speedup": safe_ratio(c.get("e2e_p90_s"), p.get("e2e_p90_s")),
         "pdd_goodput_rps": p.get("goodput_rps"), "cross_goodput_rps": c.get("goodput_rps"),
-        "goodput_ratio": _ratio(p.get("goodput_rps"), c.get("goodput_rps")),  # None when x-DC's is 0
-        "bcr_ratio": _ratio(p.get("bcr_req_per_usd"), c.get("bcr_req_per_usd")),
-        "wan_ratio": _ratio(p.get("wan_bytes"), c.get("wan_bytes")),
+        "goodput_ratio": safe_ratio(p.get("goodput_rps"), c.get("goodput_rps")),  # None when x-DC's is 0
+        "bcr_ratio": safe_ratio(p.get("bcr_req_per_usd"), c.get("bcr_req_per_usd")),
+        "wan_ratio": safe_ratio(p.get("wan_bytes"), c.get("wan_bytes")),
         "rld_token_share": p.get("rld_token_share"),
         "pdd_prefix_hit_md": p.get("prefix_hit_md_mean"),
         "pdd_pipelines": " ".join(f"{k}:{v}" for k, v in p.get("pipelines", {}).items()),

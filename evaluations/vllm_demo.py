@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from evaluations.demo import _exposing_cache_hits
+from evaluations.demo import exposing_cache_hits
 from pdd_serve.cluster.deploy import DemoError, deploy_graph, shutdown_serve
 from pdd_serve.cluster.local import LocalClusterConfig, cluster_down, cluster_up, driver_env
 from pdd_serve.config import ConfigError, load_graph_yaml
@@ -137,7 +137,7 @@ def run_vllm_demo(graph: str = "graphs/pdd_vllm.yaml", requests: int = 18, keep:
     cluster_up(ccfg, log=log)
     env = driver_env(ccfg)
     try:
-        url = deploy_graph(_exposing_cache_hits(path), env, log=log)
+        url = deploy_graph(exposing_cache_hits(path), env, log=log)
         log(f"streaming {requests} requests at once: {', '.join(json.dumps(p) for p in PATHS)} in turn")
         t0 = time.monotonic()
         results = asyncio.run(_drive(url, first))

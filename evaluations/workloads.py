@@ -5,11 +5,11 @@ prefix-cache hit is known by construction:
 
 - **Agentic sessions** (PDD's target traffic): a context that grows turn by turn (the model's answer,
   then a tool output, appended). Each request draws a *target hit* from a `HitDistribution` (default
-  skewed like PDD.md: mean ~0.9, ~76% of requests above 0.95) and the generator sizes the appended
+  skewed like docs/pdd.md: mean ~0.9, ~76% of requests above 0.95) and the generator sizes the appended
   tool output so the request hits exactly that much of what a decode-side cache holds (the session's
   earlier prompt + answer). A target the context can't reach is realized by a reset (the agent drops
   old tool outputs and opens a new file on top of its task prompt); hit 0 is a cold document. A small
-  share of ultra-long-input, very-short-output requests stands in for PDD.md's anomalous traffic.
+  share of ultra-long-input, very-short-output requests stands in for docs/pdd.md's anomalous traffic.
 - **Hit-rate sweep**: every request hits the same fraction (a warm-up request caches its prefix).
 - **Mooncake trace replay**: each `hash_ids` entry (a 512-token block in the trace) maps to a
   reproducible run of `block_tokens` token ids, so equal ids share real prefix KV; token counts are
@@ -115,7 +115,7 @@ class Workload:
 class HitDistribution:
     """A mixture of uniform bands `(weight, lo, hi)` over the prefix-hit rate of a request.
 
-    The default follows PDD.md's agentic traffic: mean ~0.9 and 70-80% of requests above 0.95
+    The default follows docs/pdd.md's agentic traffic: mean ~0.9 and 70-80% of requests above 0.95
     (76% in [0.95, 0.995]), 20% mid-hit in [0.70, 0.95) and 4% cold (hit 0: a new document).
     """
 
@@ -222,7 +222,7 @@ class AgenticWorkload:
     hit: HitDistribution = field(default_factory=HitDistribution)
     max_context_tokens: int = 3072  # prompt + output stays below this (the default model: 4096)
     cold_tokens: tuple[int, int] = (1024, 2048)  # a hit-0 request opens a fresh document this long
-    anomalous_share: float = 0.03  # PDD.md: ~3-4% of requests
+    anomalous_share: float = 0.03  # docs/pdd.md: ~3-4% of requests
     anomalous_tokens: tuple[int, int] = (2048, 2560)
     anomalous_max_tokens: int = 4
     session_rate: float = 0.5  # session arrivals per second
@@ -482,8 +482,8 @@ class TraceReplay:
     start_s: float = 0.0  # time window of the trace to replay, seconds from its start
     window_s: float | None = None
     max_requests: int | None = 40
-    arrival: str = "trace"  # trace (its timestamps / time_scale) | poisson
-    time_scale: float = 1.0  # trace: >1 stretches the trace's gaps (slows it down)
+    arrival: str = "trace"  # trace (its timestamps x gap_scale) | poisson
+    gap_scale: float = 1.0  # trace: >1 stretches the trace's gaps (slows it down)
     rate: float = 1.0  # poisson: arrivals per second
     max_context_tokens: int = 4096  # prompt + output above this: the line is skipped (counted)
     block_size: int = 16  # the serving graph's KV block (planned hits are whole blocks)
@@ -501,8 +501,8 @@ class TraceReplay:
             raise ValueError("TraceReplay needs start_s >= 0 and window_s > 0 (or None)")
         if self.max_requests is not None and self.max_requests <= 0:
             raise ValueError("TraceReplay.max_requests must be > 0 (or None)")
-        if self.arrival not in ("trace", "poisson") or not self.time_scale > 0 or not self.rate > 0:
-            raise ValueError("TraceReplay needs arrival trace|poisson, time_scale > 0 and rate > 0")
+        if self.arrival not in ("trace", "poisson") or not self.gap_scale > 0 or not self.rate > 0:
+            raise ValueError("TraceReplay needs arrival trace|poisson, gap_scale > 0 and rate > 0")
 
     @property
     def input_scale(self) -> float:
@@ -570,7 +570,7 @@ def trace_workload(r: TraceReplay) -> Workload:
         if t0_ms is None:
             t0_ms = rec.timestamp_ms
         if r.arrival == "trace":
-            at = (rec.timestamp_ms - t0_ms) / 1000 * r.time_scale
+            at = (rec.timestamp_ms - t0_ms) / 1000 * r.gap_scale
         else:
             at, t_poisson = t_poisson, t_poisson + rng.expovariate(r.rate)
         ids = rec.hash_ids[: math.ceil(n_in / r.block_tokens)]
@@ -597,7 +597,7 @@ def trace_workload(r: TraceReplay) -> Workload:
     params = (("trace", Path(r.path).name), ("block_tokens", r.block_tokens), ("input_scale", r.input_scale),
               ("output_scale", r.effective_output_scale), ("min_output_tokens", r.min_output_tokens),
               ("max_output_tokens", r.max_output_tokens), ("start_s", r.start_s), ("window_s", r.window_s),
-              ("max_requests", r.max_requests), ("arrival", r.arrival), ("time_scale", r.time_scale),
+              ("max_requests", r.max_requests), ("arrival", r.arrival), ("gap_scale", r.gap_scale),
               ("rate", r.rate), ("skipped_too_long", skipped), ("seed", r.seed),
               ("history_warmups", len(warmups)))
     return Workload("mooncake-conversation", tuple(sessions), tuple(warmups), params)

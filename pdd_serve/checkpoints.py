@@ -111,7 +111,7 @@ class ModelSpec:
 
 
 def corpus_text() -> str:
-    """The shipped tokenizer corpus (stdlib docstrings + PDD.md), fixed forever."""
+    """The shipped tokenizer corpus (stdlib docstrings + a PDD summary, see docs/pdd.md), fixed forever."""
     # next to this file, not `importlib.resources.files("pdd_serve")`: a Ray worker started in a
     # directory holding a checkout named pdd_serve (a launched node's ~/pdd_serve) resolves that
     # name to the checkout's root, a namespace package without assets/
@@ -119,7 +119,7 @@ def corpus_text() -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def _trained_tokenizer_json(vocab_size: int) -> str:
+def trained_tokenizer_json(vocab_size: int) -> str:
     # Cached as JSON, not as an object, so callers can't mutate each other's tokenizer.
     from tokenizers import (
         Regex,
@@ -173,7 +173,7 @@ def train_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(_trained_tokenizer_json(vocab_size)),
+        tokenizer_object=Tokenizer.from_str(trained_tokenizer_json(vocab_size)),
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,

@@ -1,7 +1,10 @@
 """Frozen configuration, one dataclass per concern, loaded from a graph YAML's `args` (or a dict).
 
-Every check lives in `__post_init__` so a bad value fails where it is written, with the field's
-dotted name in the message. Environment variables are read here and nowhere deeper.
+Data only: the code that uses a runtime object builds it from here (`serve.common.graph_link`,
+`emulation.pacer.build_emulation`, `emulation.clock.Clock(cfg.time_scale)`). Every check lives in
+`__post_init__` so a bad value fails where it is written, with the field's dotted name in the
+message; a check may read the catalogs it names (the chip and model catalog, the link presets).
+Environment variables are read here and nowhere deeper.
 """
 
 from __future__ import annotations
@@ -11,6 +14,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pdd_serve.emulation import costmodel
+from pdd_serve.transport.link import LinkConfig as LineConfig
+from pdd_serve.transport.link import preset_config, trace_values
 
 PIPELINES = ("P-MD", "P-RLD-MD", "P-RLD")
 ENGINE_ROLES = ("prefill", "relay", "main_decode")  # the roles that run an engine (`engines:` keys)
@@ -141,7 +148,10 @@ class EngineOverrides:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
 
 
-EMULATE_FIELDS = ("model", "chip", "tp", "time_scale")
+EMULATE_FIELDS = ("model", "chip", "tp")
+# HBM an emulated chip keeps for activations, graphs and fragmentation (the simulator's default):
+# the KV room left is checked here at load, and the pacer's engine pool holds it (emulation/pacer.py)
+MEM_RESERVE_FRACTION = 0.1
 
 
 @dataclass(frozen=True)
@@ -154,7 +164,6 @@ class EmulateEntry:
     model: Any = None  # a shape of pdd_serve/emulation/costmodel.yaml by name, or one inline (a mapping)
     chip: str | None = None  # a chip of the same catalog
     tp: int | None = None  # chips per replica (tensor parallel); must divide the attention heads
-    time_scale: float | None = None  # slow motion: one for the whole graph
 
     def __post_init__(self) -> None:
         _require(self.model is None or (isinstance(self.model, str) and self.model) or isinstance(self.model, dict),
@@ -162,9 +171,6 @@ class EmulateEntry:
         _require(self.chip is None or (isinstance(self.chip, str) and bool(self.chip)),
                  f"chip must name a chip, got {self.chip!r}")
         _require(self.tp is None or (_is_int(self.tp) and self.tp >= 1), f"tp must be an int >= 1, got {self.tp!r}")
-        _require(self.time_scale is None or (isinstance(self.time_scale, (int, float))
-                                             and not isinstance(self.time_scale, bool) and 0 < self.time_scale < 1e6),
-                 f"time_scale must be a number > 0, got {self.time_scale!r}")
 
     def set_fields(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in EMULATE_FIELDS if getattr(self, f) is not None}
@@ -181,17 +187,19 @@ class LinkConfig:
     overrides: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
-        self.build(kv_bytes_per_token=2048)  # surfaces a bad preset or parameter here, with its name
-
-    def build(self, kv_bytes_per_token: int, *, time_scale: float = 1.0, byte_scale: float = 1.0,
-              raw: bool = False):  # -> transport.link.LinkModel
-        """`raw`: the line's own rate, never scaled to the model (an emulated graph's KV bytes are
-        already the emulated model's, `byte_scale` per real byte)."""
-        from pdd_serve.transport.link import LinkModel
-
+        line = self.line(kv_bytes_per_token=2048)  # surfaces a bad preset or parameter here, with its name
         try:
-            return LinkModel.preset(self.preset, kv_bytes_per_token if self.scale_to_model and not raw else None,
-                                    time_scale=time_scale, byte_scale=byte_scale, **dict(self.overrides))
+            trace_values(line)  # and a trace the line can't run on
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"link: {e}") from None
+
+    def line(self, kv_bytes_per_token: int, raw: bool = False) -> LineConfig:
+        """The line's parameters for a model of `kv_bytes_per_token` (`transport.link.LinkModel`
+        paces them). `raw`: the line's own rate, never scaled to the model (an emulated graph's KV
+        bytes are already the emulated model's)."""
+        try:
+            return preset_config(self.preset, kv_bytes_per_token if self.scale_to_model and not raw else None,
+                                 **dict(self.overrides))
         except (ValueError, TypeError) as e:
             raise ConfigError(f"link: {e}") from None
 
@@ -201,11 +209,11 @@ class PolicyConfig:
     pipelines: tuple[str, ...] = PIPELINES  # which pipelines this graph may use
     wan_budget_s: float = 0.5  # P->MD when the estimated KV transfer fits in this
     handoff_mode: str = "auto"
-    handoff_token_threshold: int = 64  # more eager tokens than this -> catch-up (PDD.md)
+    handoff_token_threshold: int = 64  # more eager tokens than this -> catch-up (docs/pdd.md)
     handoff_batch_tokens: int = 8  # catch-up ends when this few tokens remain (the final extend)
     relay_busy_fraction: float = 0.75  # relay load above this -> one-shot (free RLD sooner)
-    relay_max_running: int = 8  # relay admission control (PDD.md: RLD overload is the failure mode)
-    # anomalous traffic (PDD.md: ultra-long input, ultra-short output, ~3-4% of requests): RLD runs
+    relay_max_running: int = 8  # relay admission control (docs/pdd.md: RLD overload is the failure mode)
+    # anomalous traffic (docs/pdd.md: ultra-long input, ultra-short output, ~3-4% of requests): RLD runs
     # it alone and its cross-site transfer is blocked. Defaults sized for the small CPU model.
     anomalous_min_input_tokens: int = 1536
     anomalous_max_output_tokens: int = 8
@@ -353,8 +361,17 @@ class PDDConfig:
     engines: tuple[tuple[str, EngineOverrides], ...] = ()
     # emulated accelerators per role / site, as sorted (key, entry) pairs ("" is the shared top)
     emulate: tuple[tuple[str, EmulateEntry], ...] = ()
+    # slow motion (emulation/clock.py): every modeled step, link delay and cross-site timeout is this
+    # many times longer in real time, and reported times divide it back; one for the whole graph
+    time_scale: float = 1.0
 
     def __post_init__(self) -> None:
+        ts = self.time_scale
+        _require(isinstance(ts, (int, float)) and not isinstance(ts, bool) and 0 < ts < 1e6,
+                 f"time_scale must be a number > 0, got {ts!r}")
+        _require(ts == 1 or bool(self.emulate),
+                 f"time_scale {ts:g} slows an emulated graph, and this graph has no emulate: block")
+        object.__setattr__(self, "time_scale", float(ts))
         self._check_engines()
         self._check_emulate()
         cross = self.sites.prefill != self.sites.main_decode
@@ -392,61 +409,43 @@ class PDDConfig:
         except ConfigError as e:
             raise ConfigError(f"the {role} engine (model + {' + '.join(used)}): {e}") from None
 
-    def emulation_for(self, role: str):  # -> pdd_serve.emulation.pacer.Emulation | None
-        """The emulated accelerator of one role (None: the graph runs unemulated)."""
-        return self._emulations().get(role)
-
     @property
     def emulated(self) -> bool:
         return bool(self.emulate)
 
-    @property
-    def time_scale(self) -> float:
-        """Slow motion: every modeled duration, link delay and cross-site timeout is this many
-        times longer in real time (1 unemulated). Reported times divide it back."""
-        ems = self._emulations()
-        return next(iter(ems.values())).time_scale if ems else 1.0
-
-    def kv_scale(self, real_bytes_per_token: int) -> float:
-        """Emulated KV bytes per real KV byte (1 unemulated): what the link, the line's backlog,
-        the bandwidth view and `wan_bytes` count, while the real small blocks cross."""
-        ems = self._emulations()
-        return next(iter(ems.values())).kv_bytes_per_token / real_bytes_per_token if ems else 1.0
-
-    def link_model(self, real_bytes_per_token: int):  # -> transport.link.LinkModel
-        """The inter-site link as this graph paces it: scaled to the small model's KV unemulated;
-        the line's own rate, on the emulated clock, counting emulated KV bytes when emulated."""
-        if not self.emulated:
-            return self.link.build(real_bytes_per_token)
-        return self.link.build(real_bytes_per_token, time_scale=self.time_scale,
-                               byte_scale=self.kv_scale(real_bytes_per_token), raw=True)
-
-    def real_s(self, emulated_s: float) -> float:
-        """A duration in emulated seconds (a timeout, a delay) as the real seconds to wait."""
-        return emulated_s * self.time_scale
-
-    def _emulations(self) -> dict:
-        cached = self.__dict__.get("_emu_cache")
-        if cached is None:
-            cached = self._resolve_emulations()
-            object.__setattr__(self, "_emu_cache", cached)
-        return cached
-
-    def _resolve_emulations(self) -> dict:
-        from pdd_serve.emulation import costmodel
-        from pdd_serve.emulation.pacer import Emulation
-
+    def emulate_for(self, role: str) -> EmulateEntry | None:
+        """One role's emulated accelerator as the graph gives it (model, chip and tp, tp 1 unset;
+        None: the graph runs unemulated). emulation/pacer.py's `build_emulation` builds it."""
         if not self.emulate:
-            return {}
+            return None
+        return EmulateEntry(**{"tp": 1, **self._merged_emulate(role)[0]})
+
+    def _merged_emulate(self, role: str) -> tuple[dict[str, Any], dict[str, str]]:
+        """(fields, where each was set): `emulate`, then `emulate.<site>`, then `emulate.<role>`."""
         entries = dict(self.emulate)
+        merged: dict[str, Any] = {}
+        where: dict[str, str] = {}
+        for key in ("", getattr(self.sites, role), role):
+            for f, v in (entries[key].set_fields() if key in entries else {}).items():
+                merged[f], where[f] = v, f"emulate.{key}.{f}" if key else f"emulate.{f}"
+        return merged, where
+
+    def _check_emulate(self) -> None:
+        _require(isinstance(self.emulate, tuple) and all(
+            isinstance(e, tuple) and len(e) == 2 and isinstance(e[1], EmulateEntry) for e in self.emulate),
+                 "emulate must be (key, EmulateEntry) pairs (load_config builds them from `emulate:`)")
+        sites = {getattr(self.sites, r) for r in ENGINE_ROLES}
+        for key, _ in self.emulate:
+            _require(key == "" or key in ENGINE_ROLES or key in sites,
+                     f"emulate.{key} is neither a role ({', '.join(ENGINE_ROLES)}) nor a site an engine runs at "
+                     f"({', '.join(sorted(sites))})")
+        if not self.emulate:
+            return
+        # every deployed role, against the catalog, with the field named
         cat = costmodel.load_catalog()
-        out = {}
+        models = {}
         for role in self.engine_roles():
-            merged: dict[str, Any] = {}
-            where: dict[str, str] = {}
-            for key in ("", getattr(self.sites, role), role):
-                for f, v in (entries[key].set_fields() if key in entries else {}).items():
-                    merged[f], where[f] = v, f"emulate.{key}.{f}" if key else f"emulate.{f}"
+            merged, where = self._merged_emulate(role)
             for f in ("model", "chip"):
                 _require(f in merged, f"emulate: the {role} engine has no {f} (set emulate.{f}, "
                          f"emulate.{getattr(self.sites, role)}.{f} or emulate.{role}.{f}): an emulated graph "
@@ -467,32 +466,16 @@ class PDDConfig:
                 _require(model.heads % tp == 0 and (kvh % tp == 0 or tp % kvh == 0),
                          f"{tpw}: tp {tp} does not divide {model.name}'s {model.heads} attention heads "
                          f"({kvh} KV heads): tensor parallelism splits heads across chips")
-            emu = Emulation(chip, model, tp, float(merged.get("time_scale", 1.0)))
+            room = costmodel.kv_capacity_tokens(chip, model, tp, MEM_RESERVE_FRACTION)
             need = self.engine_for(role).max_model_len or 4096
-            _require(emu.kv_capacity_tokens >= need,
+            _require(room >= need,
                      f"{where['chip']}: {model.name} ({model.weight_bytes / 1e9:.0f} GB of weights) on {tp} x "
-                     f"{chip.name} ({chip.mem_gb:g} GB each) leaves KV room for {emu.kv_capacity_tokens} tokens, "
+                     f"{chip.name} ({chip.mem_gb:g} GB each) leaves KV room for {room} tokens, "
                      f"under one {need}-token request: raise {tpw} or pick a larger chip")
-            out[role] = emu
-        shapes = {r: e.model.name for r, e in out.items()}
-        _require(len({e.model for e in out.values()}) == 1,
+            models[role] = model
+        shapes = {r: m.name for r, m in models.items()}
+        _require(len(set(models.values())) == 1,
                  f"emulate.model must be one for the whole graph (KV crosses between the roles), got {shapes}")
-        scales = {r: e.time_scale for r, e in out.items()}
-        _require(len(set(scales.values())) == 1,
-                 f"emulate.time_scale must be one for the whole graph (the link between sites runs on one clock), "
-                 f"got {scales}")
-        return out
-
-    def _check_emulate(self) -> None:
-        _require(isinstance(self.emulate, tuple) and all(
-            isinstance(e, tuple) and len(e) == 2 and isinstance(e[1], EmulateEntry) for e in self.emulate),
-                 "emulate must be (key, EmulateEntry) pairs (load_config builds them from `emulate:`)")
-        sites = {getattr(self.sites, r) for r in ENGINE_ROLES}
-        for key, _ in self.emulate:
-            _require(key == "" or key in ENGINE_ROLES or key in sites,
-                     f"emulate.{key} is neither a role ({', '.join(ENGINE_ROLES)}) nor a site an engine runs at "
-                     f"({', '.join(sorted(sites))})")
-        self._emulations()  # resolves and checks every deployed role now, with the field named
 
     def engine_roles(self) -> tuple[str, ...]:
         """The roles this graph deploys with an engine."""
@@ -593,14 +576,25 @@ def _build_engines(data: Any) -> tuple[tuple[str, EngineOverrides], ...]:
     return tuple(sorted(out, key=lambda kv: kv[0]))
 
 
+def _moved_time_scale(where: str, data: Any) -> None:
+    """`time_scale` was once accepted inside `emulate:` (at any level) and the link settings: it is
+    one graph-wide key now, and the old spellings are refused with the new one."""
+    if isinstance(data, dict) and "time_scale" in data:
+        raise ConfigError(f"{where}.time_scale: time_scale is one key for the whole graph now: write "
+                          f"`time_scale: {data['time_scale']}` at the top of the graph's args, beside `emulate:`")
+
+
 def _build_emulate(data: Any) -> tuple[tuple[str, EmulateEntry], ...]:
-    """`emulate: {model: llama-3-70b, time_scale: 50, a: {chip: h100-sxm, tp: 4}, b: {chip: h20, tp: 8}}`
+    """`emulate: {model: llama-3-70b, a: {chip: h100-sxm, tp: 4}, b: {chip: h20, tp: 8}}`
     -> sorted pairs; the shared top level is key ""."""
     if data is None:
         return ()
     if not isinstance(data, dict):
         raise ConfigError(f"emulate must be a mapping ({', '.join(EMULATE_FIELDS)} and role or site entries), "
                           f"got {type(data).__name__}")
+    _moved_time_scale("emulate", data)
+    for key, entry in data.items():
+        _moved_time_scale(f"emulate.{key}", entry)
     top = {k: v for k, v in data.items() if k in EMULATE_FIELDS}
     out = [("", _build(EmulateEntry, top, "emulate"))] if top else []
     for key, entry in data.items():
@@ -617,9 +611,10 @@ def load_config(args: dict[str, Any] | PDDConfig | None) -> PDDConfig:
     if isinstance(args, PDDConfig):
         return args
     args = dict(args or {})
-    unknown = sorted(set(args) - set(_SECTIONS) - {"graph", "engines", "emulate"})
+    unknown = sorted(set(args) - set(_SECTIONS) - {"graph", "engines", "emulate", "time_scale"})
     if unknown:
-        raise ConfigError(f"unknown top-level arg(s) {unknown}; valid: graph, engines, emulate, {', '.join(_SECTIONS)}")
+        raise ConfigError(f"unknown top-level arg(s) {unknown}; valid: graph, engines, emulate, time_scale, "
+                          f"{', '.join(_SECTIONS)}")
     model = args.get("model")
     if isinstance(model, str):  # `model: /path/to/ckpt` shorthand
         args["model"] = {"path": model}
@@ -627,6 +622,7 @@ def load_config(args: dict[str, Any] | PDDConfig | None) -> PDDConfig:
     if isinstance(link, str):  # `link: pdd_report` shorthand
         args["link"] = {"preset": link}
     elif isinstance(link, dict):  # `link: {preset: wan_10g, one_way_latency_s: 0.02}`
+        _moved_time_scale("link", link)
         extra = {k: v for k, v in link.items() if k not in ("preset", "scale_to_model")}
         args["link"] = {k: v for k, v in link.items() if k in ("preset", "scale_to_model")}
         args["link"]["overrides"] = tuple(sorted((k, tuple(map(tuple, v)) if k == "stalls" else v)
@@ -636,7 +632,7 @@ def load_config(args: dict[str, Any] | PDDConfig | None) -> PDDConfig:
     if flight.token is None and os.environ.get("PDD_FLIGHT_TOKEN"):
         kw["flight"] = dataclasses.replace(flight, token=os.environ["PDD_FLIGHT_TOKEN"])
     return PDDConfig(graph=str(args.get("graph", "pdd")), engines=_build_engines(args.get("engines")),
-                     emulate=_build_emulate(args.get("emulate")), **kw)
+                     emulate=_build_emulate(args.get("emulate")), time_scale=args.get("time_scale", 1.0), **kw)
 
 
 def load_graph_yaml(path: str | Path, app_index: int = 0) -> PDDConfig:

@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pdd_serve.emulation.clock import Clock
+
 _LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0]
 _TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]
 _E2E_BUCKETS = [0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0]
@@ -27,10 +29,10 @@ class RouterMetrics:
     """What PDD did, per request: TTFT/TPOT, handoffs by mode, eager-token share, WAN bytes,
     requests by pipeline, fallbacks and rejections."""
 
-    def __init__(self, time_scale: float = 1.0) -> None:
+    def __init__(self, clock: Clock = Clock()) -> None:
         from ray.serve.metrics import Counter, Histogram
 
-        self.time_scale = time_scale  # emulated graphs: every latency is reported in emulated seconds
+        self.clock = clock  # emulated graphs: every latency is reported in emulated seconds
 
         self.ttft = Histogram("pdd_ttft_seconds", "time to first token", boundaries=_LATENCY_BUCKETS,
                               tag_keys=("pipeline",))
@@ -63,7 +65,7 @@ class RouterMetrics:
         if st.committed:
             self.output_tokens.inc(len(st.committed))
             self.prompt_tokens.inc(len(st.gen.prompt_token_ids))
-        e2e = (time.monotonic() - st.t0) / self.time_scale
+        e2e = self.clock.emulated(time.monotonic() - st.t0)
         self.e2e.observe(e2e, tags={"pipeline": pipeline})
         if len(st.committed) > 1 and info.ttft_s:
             self.request_tpot.observe(max(0.0, e2e - info.ttft_s) / (len(st.committed) - 1),
@@ -193,7 +195,7 @@ def _family_name(name: str) -> str:
     return name[: -len("_total")] if name.endswith("_total") else name
 
 
-def _line_metric(line: str) -> str | None:
+def line_metric(line: str) -> str | None:
     """The metric a text-format line is about (None for other comments and blank lines)."""
     if line.startswith("#"):
         parts = line.split(None, 3)
@@ -210,7 +212,7 @@ def filter_text(text: str, prefixes: Iterable[str] = KEEP_PREFIXES) -> str:
     """The lines of a Prometheus text exposition about metrics named with one of `prefixes`
     (before parsing: a node's export holds hundreds of Ray system series /metrics does not serve)."""
     prefixes = tuple(prefixes)
-    keep = [ln for ln in text.splitlines() if (m := _line_metric(ln)) is not None and m.startswith(prefixes)]
+    keep = [ln for ln in text.splitlines() if (m := line_metric(ln)) is not None and m.startswith(prefixes)]
     return "\n".join(keep) + "\n" if keep else ""
 
 

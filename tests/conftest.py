@@ -29,4 +29,4 @@ def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
                       tie_embeddings=True)
 
 
-from tests._cluster import ray_two_sites  # noqa: E402,F401  (session fixture: the local two-site cluster)
+from tests.cluster_fixture import ray_two_sites  # noqa: E402,F401  (session fixture: the local two-site cluster)

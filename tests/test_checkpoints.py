@@ -69,9 +69,9 @@ def test_tokenizer_round_trip_same_for_every_arch(tiny: dict[str, Path]) -> None
 
 
 def test_tokenizer_is_deterministic() -> None:
-    first = checkpoints._trained_tokenizer_json(512)
-    checkpoints._trained_tokenizer_json.cache_clear()
-    assert checkpoints._trained_tokenizer_json(512) == first
+    first = checkpoints.trained_tokenizer_json(512)
+    checkpoints.trained_tokenizer_json.cache_clear()
+    assert checkpoints.trained_tokenizer_json(512) == first
     assert len(train_tokenizer(300)) == 300
 
 

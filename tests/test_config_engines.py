@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from evaluations.compare import CompareConfig, GraphResult, _log_compare, summarize_graph
-from evaluations.cost import CatalogError, hardware_cost, load_catalog
+from evaluations.compare import CompareConfig, GraphResult, log_compare, summarize_graph
+from evaluations.cost import CatalogError, hardware_cost
 from evaluations.harness import engine_params, prepare_graphs
 from evaluations.loadgen import SLA, RequestRecord
 from evaluations.tracking import Tracker
 from evaluations.workloads import Session, Turn, Workload
 from pdd_serve.config import ConfigError, EngineOverrides, ModelConfig, load_config, load_graph_yaml
+from pdd_serve.emulation.costmodel import load_catalog
 
 ROOT = Path(__file__).resolve().parents[1]
 HETERO = {
@@ -178,7 +179,7 @@ def test_the_mlflow_run_records_engines_and_chips(tmp_path):
     for name in ("requests.parquet", "summary.json", "cdf.png"):
         (out / name).write_text("x")
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    ids = _log_compare(Tracker(uri, "pdd-test-engines"), workload, CompareConfig(), {"pdd_hetero": res}, summaries,
+    ids = log_compare(Tracker(uri, "pdd-test-engines"), workload, CompareConfig(), {"pdd_hetero": res}, summaries,
                        {"code_fingerprint": "f"}, catalog, cli, out, out / "cdf.png")
     params = MlflowClient(tracking_uri=uri).get_run(ids["pdd_hetero"]).data.params
     want = {"engine.prefill.site": "a", "engine.prefill.threads": "2", "engine.prefill.kv_cache_bytes": str(128 << 20),

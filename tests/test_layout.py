@@ -1,6 +1,9 @@
 """Package layout: dependencies point one way (evaluations uses pdd_serve, never the reverse), the
 `pdd` CLI finds the evaluation commands through its entry-point group, and the engine's public
-API is importable from `pdd_serve.engine`."""
+API is importable from `pdd_serve.engine`. One home per concept (issue 39): no private name used
+across modules, no import circles, no module over 700 lines, one chip catalog and its one loader,
+and no arithmetic on `time_scale` outside the clock (tests/layout_checks.py); each check also fails
+on a tree with its violation planted."""
 
 from __future__ import annotations
 
@@ -14,6 +17,24 @@ import pytest
 
 import pdd_serve
 from pdd_serve import cli
+from tests import layout_checks
+from tests.layout_checks import (
+    CATALOG,
+    FIRST_PARTY,
+    MAX_MODULE_LINES,
+    ROOT,
+    THIRD_PARTY_PRIVATE,
+    first_party,
+    import_circles,
+    is_chip_catalog,
+    long_modules,
+    private_imports,
+    private_references,
+    second_catalogs,
+    time_scale_arithmetic,
+    unresolved_imports,
+    where,
+)
 
 PKG = Path(pdd_serve.__file__).resolve().parent
 # a module path as a string: "evaluations", "evaluations.loadgen", "evaluations.cli:EVAL_COMMANDS"
@@ -80,7 +101,7 @@ def test_engine_public_api():
 
     for name in eng.__all__:
         assert getattr(eng, name) is not None
-    assert sorted(eng.__all__) == sorted(eng._EXPORTS)
+    assert sorted(eng.__all__) == sorted(eng.EXPORTS)
     with pytest.raises(AttributeError):
         eng.NoSuchThing  # noqa: B018
 
@@ -162,7 +183,7 @@ def _pdd_imports(path: Path) -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("module", ["metrics", "policy", "costmodel", "config", "engine", "transport"])
+@pytest.mark.parametrize("module", ["metrics", "policy", "emulation", "config", "engine", "transport"])
 def test_the_lower_layers_do_not_import_the_serve_layer(module: str):
     """The Serve deployments use metrics, policy, the cost model, config, the engine and the
     transport; none of those reaches back up into pdd_serve.serve."""
@@ -197,7 +218,135 @@ def test_the_serving_layer_speaks_only_the_engine_protocol():
     from pdd_serve.engine.protocol import engine_members
 
     members = engine_members()
-    files = [*sorted((PKG / "serve").glob("*.py")), PKG / "engine" / "scheduler.py"]
+    files = [*sorted((PKG / "serve").glob("*.py")), PKG / "engine" / "worker.py"]
     found = {f.name: sorted(_engine_uses(f) - members) for f in files}
     assert sum(len(_engine_uses(f)) for f in files) > 15  # the scan sees the engine calls
     assert not any(found.values()), {k: v for k, v in found.items() if v}
+
+
+# ================================================================ one home per concept (issue 39)
+# The checks are tests/layout_checks.py's functions of a tree's root: here on the repository, and
+# at the end on a synthetic tree with each violation planted.
+
+
+def test_the_walk_sees_every_first_party_module():
+    mods = first_party(ROOT)
+    assert {m.split(".")[0] for m in mods} == set(FIRST_PARTY) and len(mods) > 150, len(mods)
+
+
+def test_no_private_name_is_imported_across_modules():
+    found = private_imports(ROOT)
+    assert not found, "private names used across modules (make them public, or move the piece):\n" + \
+        "\n".join(found)
+
+
+def test_every_third_party_private_name_allowed_is_still_used():
+    """The allowlist stays short: an entry nothing uses any more goes."""
+    used = {p for _, _, dotted in private_references(ROOT) for p in THIRD_PARTY_PRIVATE
+            if dotted == p or dotted.startswith(p + ".")}
+    assert used == set(THIRD_PARTY_PRIVATE), sorted(set(THIRD_PARTY_PRIVATE) - used)
+
+
+def test_tests_share_helpers_through_helper_modules_not_other_tests():
+    """A test module imported by another runs its fixtures and tests twice over; shared pieces live
+    in helper modules (tests/helpers.py, tests/serve/inprocess.py, tests/serve/replicas.py, ...)."""
+    mods = first_party(ROOT)
+    found = [f"{where(m, node, ROOT)}: {t}" for m in mods.values() for node in ast.walk(m.tree)
+             for t in ([m.absolute(node)] if isinstance(node, ast.ImportFrom) else
+                       [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+             if t.startswith("tests.") and t.rpartition(".")[2].startswith("test_")]
+    assert not found, found
+
+
+def test_no_import_circles():
+    circles = import_circles(ROOT)
+    assert not circles, "modules that import each other (deferred imports included):\n" + \
+        "\n".join(" <-> ".join(c) for c in circles)
+
+
+def test_every_first_party_import_resolves():
+    found = unresolved_imports(ROOT)
+    assert not found, "\n".join(found)
+
+
+def test_no_module_is_over_700_lines():
+    assert not long_modules(ROOT), long_modules(ROOT)
+
+
+def test_one_chip_catalog_and_one_loader():
+    assert (ROOT / CATALOG).exists() and is_chip_catalog(ROOT / CATALOG)
+    found = second_catalogs(ROOT)
+    assert not found, "\n".join(found)
+
+
+def test_only_the_clock_does_arithmetic_with_time_scale():
+    found = time_scale_arithmetic(ROOT)
+    assert not found, "ask the clock (pdd_serve/emulation/clock.py) instead:\n" + "\n".join(found)
+
+
+def _plant(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return root
+
+
+CLEAN_TREE = {
+    "pdd_serve/__init__.py": "",
+    "pdd_serve/emulation/__init__.py": "",
+    "pdd_serve/emulation/clock.py": "def real(s, time_scale):\n    return s * time_scale\n",
+    "pdd_serve/emulation/costmodel.py": ("import yaml\nCATALOG_PATH = 'costmodel.yaml'\n\n\n"
+                                         "def load_catalog(path=CATALOG_PATH):\n"
+                                         "    return yaml.safe_load(open(path))['chips']\n"),
+    "pdd_serve/emulation/costmodel.yaml": "chips:\n  h100: {peak_tflops: 989}\n",
+    "pdd_serve/a.py": "def spawn():\n    pass\n\n\ndef _helper():\n    pass\n",
+    "pdd_serve/b.py": ("from pdd_serve.a import spawn\nfrom pdd_serve.serve import run\n"
+                       "from ray.serve.context import _get_serve_request_context\n"),
+    "pdd_serve/serve/__init__.py": "",
+    "pdd_serve/serve/run.py": "def go(clock, s):\n    return clock.real(s)\n",
+    "evaluations/__init__.py": "",
+    "evaluations/e.py": "def f():\n    from pdd_serve import b\n    relay = object()\n    return relay._x\n",
+    "tests/__init__.py": "",
+    "tests/helpers.py": "def until():\n    pass\n",
+    "tests/test_x.py": ("from tests.helpers import until\n\n\ndef test_x(tmp_path):\n"
+                        "    (tmp_path / 'chips.yaml').write_text('chips: {}')\n"),
+}
+
+VIOLATIONS = {
+    "private_imports": [
+        {"pdd_serve/c.py": "from pdd_serve.a import (\n    spawn,\n    _helper,\n)\n"},  # multi-line
+        {"pdd_serve/c.py": "from pdd_serve import a as A\n\n\ndef f():\n    return A._helper()\n"},  # module._name
+        {"pdd_serve/c.py": "import pdd_serve.a\n\npdd_serve.a._helper()\n"},
+        {"tests/test_y.py": "def test_y():\n    from .helpers import _hidden\n"},  # relative
+        {"pdd_serve/c.py": "from ray._private.worker import global_worker\n"},  # third-party, not allowed
+    ],
+    "import_circles": [
+        {"pdd_serve/a.py": "def spawn():\n    from pdd_serve import b  # deferred: still a circle\n"},
+    ],
+    "long_modules": [{"evaluations/big.py": "x = 1\n" * (MAX_MODULE_LINES + 1)}],
+    "unresolved_imports": [
+        {"pdd_serve/c.py": "def f():\n    from pdd_serve.emulation import vllm_connector  # moved away\n"},
+        {"pdd_serve/c.py": "from pdd_serve.a import (\n    spawn,\n    spawned,\n)\n"},
+    ],
+    "second_catalogs": [
+        {"evaluations/chips.yaml": "chips:\n  cpu: {price_per_hour: 0.05}\n"},
+        {"evaluations/cost.py": "from pathlib import Path\nDEFAULT = Path(__file__).with_name('chips.yaml')\n"},
+        {"evaluations/cost.py": "class Catalog:\n    pass\n"},
+        {"evaluations/sim/config.py": "CHIPS = 'evaluations/sim/chips.yml'\n"},
+    ],
+    "time_scale_arithmetic": [
+        {"pdd_serve/serve/run.py": "def go(cfg, s):\n    return s * cfg.time_scale\n"},
+        {"evaluations/e.py": "def f(s, time_scale):\n    s /= time_scale\n    return s\n"},
+    ],
+}
+
+
+@pytest.mark.parametrize("check, plant", [(c, p) for c, ps in VIOLATIONS.items() for p in ps],
+                         ids=[f"{c}-{i}" for c, ps in VIOLATIONS.items() for i in range(len(ps))])
+def test_each_check_fails_on_its_violation_planted_in_a_tree(tmp_path, check: str, plant: dict[str, str]):
+    fn = getattr(layout_checks, check)
+    clean = _plant(tmp_path / "clean", CLEAN_TREE)
+    assert not fn(clean), fn(clean)  # the clean tree passes every check...
+    bad = _plant(tmp_path / "bad", {**CLEAN_TREE, **plant})
+    assert fn(bad), f"{check} missed {plant}"  # ...and each planted violation fails its own

@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdd_serve import metrics as pm
 from pdd_serve.config import ServerConfig
+from pdd_serve.emulation.clock import Clock
 from pdd_serve.serve import openai_api as oai
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,8 +80,8 @@ def test_filter_keeps_pdd_and_serve_families_only():
     assert "ray_node_cpu_utilization" not in kept and "target_info" not in kept
     assert "# HELP ray_pdd_ttft_seconds time to first token" in kept  # HELP/TYPE travel with their family
     assert pm.filter_text("# a comment\n\nray_gcs_x 1\n") == ""
-    assert pm._line_metric('ray_pdd_x{a="b c"} 1') == "ray_pdd_x"
-    assert pm._line_metric("ray_pdd_y 2") == "ray_pdd_y"
+    assert pm.line_metric('ray_pdd_x{a="b c"} 1') == "ray_pdd_x"
+    assert pm.line_metric("ray_pdd_y 2") == "ray_pdd_y"
 
 
 def test_cluster_exposition_merges_nodes_into_one_family_each():
@@ -297,7 +298,7 @@ def test_emulated_replicas_export_overrun_per_step_kind_and_latencies_in_emulate
     pm.ReplicaGauges("relay", lambda: ReplicaStats("relay", 0, 5, 10)).update()
     assert fake_ray_metrics["pdd_emulation_overrun_share"].calls == []  # the relay's gauge object
     # slow motion x10: 25 real seconds of a request are 2.5 emulated ones
-    m = pm.RouterMetrics(time_scale=10)
+    m = pm.RouterMetrics(Clock(10))
     info = SimpleNamespace(pipeline="P-MD", handoff_mode="none", eager_tokens=0, wan_bytes=0, fallbacks=[], ttft_s=0.5)
     st = SimpleNamespace(info=info, finish_reason="length", committed=[1, 2], gen=SimpleNamespace(prompt_token_ids=(1,)),
                          t0=100.0)

@@ -27,7 +27,7 @@ accounting error and is reported as one. Measured, repeats interleaved, medians 
   `flight_vs_tcp`, their loopback throughput ratio (per-repeat pairs).
 - the handoff payload: the bytes of the real one-shot handoff call (Router -> MD `decode(request_id,
   committed, timeout_s)` with 100 committed ids, serialized by Ray's serializer, plus Serve's
-  per-call request metadata) against the KV of those 100 tokens, for this model and for PDD.md's
+  per-call request metadata) against the KV of those 100 tokens, for this model and for docs/pdd.md's
   50 KB/token flagship. `handoff_payload_ratio` is the flagship one (target <= 1e-3).
 Prints a table, then one JSON line.
 """
@@ -119,7 +119,7 @@ class Receiver:
     def __init__(self, kind: str, host: str, max_bytes: int, prefix: list[str] | None = None) -> None:
         cmd = [*(prefix or []), sys.executable, str(Path(__file__).resolve()), "--serve", kind, "--host", host,
                "--max-bytes", str(max_bytes)]
-        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.hello = self._read()
 

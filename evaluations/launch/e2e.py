@@ -49,7 +49,7 @@ from evaluations.launch.hosts import down as hosts_down
 from evaluations.launch.hosts import leftovers as hosts_leftovers
 from evaluations.launch.hosts import up as hosts_up
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = "cluster_configs/local-two-site.yaml"
 LAUNCH_ENV = {"RAY_UP_enable_autoscaler_v2": "0"}  # see the module docstring
 

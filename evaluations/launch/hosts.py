@@ -39,12 +39,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdd_serve.cluster.netns import NetnsError, _run
+from pdd_serve.cluster.netns import NetnsError, run_cmd
 from pdd_serve.cluster.netns import exists as netns_exists
 from pdd_serve.cluster.netns import pids as netns_pids
+from pdd_serve.cluster.procs import terminate
 from pdd_serve.launch.template import RAY_VERSION, TORCH_VERSION
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HOME_IN_HOST = "/home/pdd"  # every host's login home: the graphs' absolute paths (TLS, API keys) live under it
 
 
@@ -151,7 +152,7 @@ def _save_state(cfg: HostsConfig, state: dict[str, Any]) -> None:
 
 
 def _link_exists(name: str) -> bool:
-    return _run(["ip", "link", "show", "dev", name], check=False).returncode == 0
+    return run_cmd(["ip", "link", "show", "dev", name], check=False).returncode == 0
 
 
 def _sshd_config(cfg: HostsConfig, name: str, ip: str) -> str:
@@ -169,7 +170,7 @@ def _host_files(cfg: HostsConfig, name: str, ip: str) -> None:
         (d / sub).mkdir(parents=True, exist_ok=True)
         (d / sub).chmod(mode)
     if not (d / "etc/ssh_host_ed25519_key").exists():
-        _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / "etc/ssh_host_ed25519_key")])
+        run_cmd(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / "etc/ssh_host_ed25519_key")])
     # root's home is /home/pdd on this host only: /etc/passwd is bind-mounted over in its mount namespace
     passwd = re.sub(r"^(root:[^:]*:0:0:[^:]*:)[^:]*:", rf"\g<1>{HOME_IN_HOST}:", Path("/etc/passwd").read_text(),
                     count=1, flags=re.M)
@@ -209,27 +210,27 @@ def up(cfg: HostsConfig = HostsConfig(), log: Any = print) -> dict[str, Any]:
         down(cfg, log=lambda _m: None)
     cfg.key_path.parent.mkdir(parents=True, exist_ok=True)
     if not cfg.key_path.exists():
-        _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "pdd-hosts", "-f", str(cfg.key_path)])
+        run_cmd(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "pdd-hosts", "-f", str(cfg.key_path)])
     n_wheels = fill_wheels(cfg, log)
     Path(HOME_IN_HOST).mkdir(parents=True, exist_ok=True)  # the mount point
     Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # sshd's privilege separation directory
     state: dict[str, Any] = {"hosts": {}, "made_home": True}
     _save_state(cfg, state)
     try:
-        _run(["ip", "link", "add", cfg.bridge, "type", "bridge"])
-        _run(["ip", "addr", "add", f"{cfg.bridge_ip}/{cfg.prefix_len}", "dev", cfg.bridge])
-        _run(["ip", "link", "set", cfg.bridge, "up"])
+        run_cmd(["ip", "link", "add", cfg.bridge, "type", "bridge"])
+        run_cmd(["ip", "addr", "add", f"{cfg.bridge_ip}/{cfg.prefix_len}", "dev", cfg.bridge])
+        run_cmd(["ip", "link", "set", cfg.bridge, "up"])
         for name, ip in cfg.hosts:
             ns, veth = cfg.netns(name), cfg.veth(name)
-            _run(["ip", "netns", "add", ns])
-            _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns])
-            _run(["ip", "link", "set", veth, "master", cfg.bridge, "up"])
-            _run(["ip", "-n", ns, "addr", "add", f"{ip}/{cfg.prefix_len}", "dev", "eth0"])
-            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
-            _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
+            run_cmd(["ip", "netns", "add", ns])
+            run_cmd(["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns])
+            run_cmd(["ip", "link", "set", veth, "master", cfg.bridge, "up"])
+            run_cmd(["ip", "-n", ns, "addr", "add", f"{ip}/{cfg.prefix_len}", "dev", "eth0"])
+            run_cmd(["ip", "-n", ns, "link", "set", "lo", "up"])
+            run_cmd(["ip", "-n", ns, "link", "set", "eth0", "up"])
             # a default route, so "my address" probes (Ray's, Flight's advertise host) find eth0's;
             # this machine does not forward, so nothing leaves through it
-            _run(["ip", "-n", ns, "route", "add", "default", "via", cfg.bridge_ip])
+            run_cmd(["ip", "-n", ns, "route", "add", "default", "via", cfg.bridge_ip])
             _host_files(cfg, name, ip)
             state["hosts"][name] = {"ip": ip, "netns": ns, "sshd_pid": _start_sshd(cfg, name)}
             _save_state(cfg, state)
@@ -291,11 +292,11 @@ def down(cfg: HostsConfig = HostsConfig(), log: Any = print) -> dict[str, Any]:
             _kill(int(pid), grace_s=3.0)
         if netns_exists(ns):
             _kill_netns(ns)
-            _run(["ip", "netns", "del", ns], check=False)
+            run_cmd(["ip", "netns", "del", ns], check=False)
         if _link_exists(cfg.veth(name)):
-            _run(["ip", "link", "del", cfg.veth(name)], check=False)
+            run_cmd(["ip", "link", "del", cfg.veth(name)], check=False)
     if _link_exists(cfg.bridge):
-        _run(["ip", "link", "del", cfg.bridge], check=False)
+        run_cmd(["ip", "link", "del", cfg.bridge], check=False)
     shutil.rmtree(cfg.base_dir, ignore_errors=True)
     if state.get("made_home"):
         with contextlib.suppress(OSError):
@@ -307,17 +308,7 @@ def down(cfg: HostsConfig = HostsConfig(), log: Any = print) -> dict[str, Any]:
 
 def _kill_netns(ns: str, grace_s: float = 3.0) -> None:
     """Every process still in the host's network namespace (one that escaped its PID namespace)."""
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
-        left = [p for p in netns_pids(ns) if p != os.getpid()]
-        for p in left:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(p, sig)
-        deadline = time.monotonic() + wait_s
-        while left and time.monotonic() < deadline:
-            time.sleep(0.05)
-            left = [p for p in netns_pids(ns) if p != os.getpid()]
-        if not left:
-            return
+    terminate(lambda: [p for p in netns_pids(ns) if p != os.getpid()], grace_s)
 
 
 def leftovers(cfg: HostsConfig = HostsConfig()) -> dict[str, list[str]]:

@@ -32,7 +32,8 @@ Modes:
   pdd simulate --tail-curve              one prefill instance vs hit rate per tail-chunk mode (fast)
 
 Prints a table, then ONE final JSON line (bcr_gain, ttft_reduction, goodput_gain,
-rld_token_share, ...). Scenarios: evaluations/sim/scenarios/*.yaml; chips: evaluations/sim/chips.yaml.
+rld_token_share, ...). Scenarios: evaluations/sim/scenarios/*.yaml; chips and model shapes:
+pdd_serve/emulation/costmodel.yaml.
 """
 
 _PLAN_DESCRIPTION = """\
@@ -42,7 +43,7 @@ MD, from the scenario's `plan` section and the chip catalog with prices), then t
 The load: a Mooncake-format trace at its own arrival times (--trace; scenario `mooncake`: the
 report's chips, model, link and SLA) or the scenario's synthetic workload at --target-rps.
   pdd plan --trace ../shared/traces/mooncake_conversation_trace.jsonl --out-dir DIR
-  pdd plan --trace T.jsonl --catalog evaluations/chips.yaml --site-a h100-sxm,a100-80g --site-b h20,h200
+  pdd plan --trace T.jsonl --site-a h100-sxm,a100-80g --site-b h20,h200 [--catalog MY_CHIPS.yaml]
 Writes, under --out-dir:
   graph.yaml          a Serve config in graphs/pdd.yaml's shape with the planned replica counts
   cluster_nodes.yaml  node counts per site and chip (pdd.site labels) for a Ray cluster config
@@ -88,7 +89,7 @@ def _add_plan(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=float, default=None,
                    help="replay the trace's first S seconds of arrivals (default: plan.window_s; 0: all of it)")
     p.add_argument("--catalog", default=None, metavar="YAML",
-                   help="chip catalog with prices (the simulator's format, or evaluations/chips.yaml's)")
+                   help="your own chips (pdd_serve/emulation/costmodel.yaml's schema), added to the catalog's")
     p.add_argument("--site-a", default=None, help="candidate chips for P and RLD, comma-separated (default: plan.chips_site_a)")
     p.add_argument("--site-b", default=None, help="candidate chips for MD, comma-separated (default: plan.chips_site_b)")
     p.add_argument("--target-rps", type=float, default=None, help="load to plan for, req/s (default: plan.target_rps)")
@@ -102,11 +103,11 @@ def _add_plan(p: argparse.ArgumentParser) -> None:
 
 
 def _load(name: str):  # -> Scenario
-    from evaluations.sim.config import SimConfigError, load_scenario
+    from evaluations.sim.config import ScenarioError, load_scenario
 
     try:
         return load_scenario(name)
-    except SimConfigError as e:
+    except ScenarioError as e:
         raise UsageError(f"pdd: error: {e}") from None
 
 
@@ -138,9 +139,9 @@ def _run_simulate(args: argparse.Namespace) -> int:
         raise UsageError("pdd simulate: error: --horizon must be > 0")
     if args.trace and not Path(args.trace).is_file():
         raise UsageError(f"pdd simulate: error: --trace {args.trace}: no such file")
-    from evaluations.sim.config import TAIL_CHUNK_MODES, SimConfigError
+    from evaluations.sim.config import TAIL_CHUNK_MODES, ScenarioError
     from evaluations.sim.report import (
-        _chips,
+        chips_label,
         format_report,
         format_trace,
         plot_bathtub,
@@ -211,7 +212,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
                 s, _ = simulate(sc, sc.deployments[name], synthetic(sc.workload, rate_rps=args.rate, requests=n),
                                 progress=progress, warmup_s=warm)
                 s["cost_per_hour"] = sc.cost_per_hour(sc.deployments[name])
-                s["chips"] = _chips(sc, sc.deployments[name])
+                s["chips"] = chips_label(sc, sc.deployments[name])
                 rows[name] = s
             res = {"rows": rows, "label": f"{sc.name} at {args.rate:g} req/s, {n} requests", "sim_seconds":
                    sum(s["sim_seconds"] for s in rows.values()), "requests": n, "span_s": n / args.rate}
@@ -251,7 +252,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
             print(format_report(res))
             out = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in res["headline"].items()}
             out["reference"] = res["reference"]
-    except SimConfigError as e:
+    except ScenarioError as e:
         raise UsageError(f"pdd simulate: error: {e}") from None
     if args.out:
         Path(args.out).write_text(json.dumps(_num(res), indent=1, default=str))
@@ -357,14 +358,15 @@ def _run_plan(args: argparse.Namespace) -> int:
         raise UsageError("pdd plan: error: --window must be >= 0")
     import dataclasses
 
-    from evaluations.sim.config import SimConfigError, load_chips
+    from evaluations.sim.config import ScenarioError
     from evaluations.sim.planner import cluster_nodes, graph_yaml, log_mlflow, plan, plot_knobs
+    from pdd_serve.emulation.costmodel import CostModelError, load_catalog
 
     sc = _load(args.scenario or ("mooncake" if args.trace else "report"))
     if args.catalog:
-        try:
-            sc = dataclasses.replace(sc, chips={**sc.chips, **load_chips(args.catalog)})
-        except SimConfigError as e:
+        try:  # a user's own catalog, its chips over the scenario's
+            sc = dataclasses.replace(sc, chips={**sc.chips, **load_catalog(args.catalog).chips})
+        except CostModelError as e:
             raise UsageError(f"pdd plan: error: --catalog: {e}") from None
     for opt, key in ((args.site_a, "chips_site_a"), (args.site_b, "chips_site_b")):
         if opt:
@@ -390,7 +392,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     try:
         res = plan(sc, args.target_rps, args.max_steps, not args.no_progress, pairs,  # type: ignore[arg-type]
                    args.trace, args.window if args.window != 0 else float("inf"))
-    except SimConfigError as e:
+    except ScenarioError as e:
         raise UsageError(f"pdd plan: error: {e}") from None
     print(f"{'chip A':<10}{'chip B':<10}{'P':>4}{'RLD':>5}{'MD':>5}{'budget':>7}{'cost/h':>9}{'attain':>8}"
           f"{'BCR':>9}{'TTFT p90':>10}{'TPOT p90':>10}  step")

@@ -1,9 +1,12 @@
 """The simulator's assumptions as frozen dataclasses, loaded from YAML with errors that name the
 file and the field (`report.yaml: deployments.pdd.main_decode.count: must be >= 1, got 0`).
 
-Numbers live in `chips.yaml` and `scenarios/*.yaml`, never in code: a chip is judged on PDD.md's
-four dimensions (peak FLOP/s, memory capacity, memory bandwidth, interconnect bandwidth) plus a
-price; a model on parameters, active parameters, layers and KV bytes per token.
+Numbers live in YAML, never in code: chips (and model shapes a scenario names) in the one catalog,
+pdd_serve/emulation/costmodel.yaml (a scenario's `catalog: FILE` adds its own through the same
+loader); the rest in `scenarios/*.yaml`. A chip is judged on docs/pdd.md's four dimensions (peak
+FLOP/s, memory capacity, memory bandwidth, interconnect bandwidth) plus a price; a model on
+parameters, active parameters, layers and KV bytes per token. The SLA is evaluations.loadgen's, the
+link pdd_serve's `LinkConfig`, so a scenario says them as a graph and `pdd compare` do.
 """
 
 from __future__ import annotations
@@ -15,26 +18,36 @@ from typing import Any
 
 import yaml
 
+from evaluations.loadgen import SLA
 from pdd_serve.config import ConfigError, LinkConfig, PolicyConfig
-from pdd_serve.emulation.costmodel import ChipSpec, CostModelError, _pos, check_fits
-from pdd_serve.emulation.costmodel import ModelShape as ModelSpec
+from pdd_serve.emulation.costmodel import (
+    Catalog,
+    ChipSpec,
+    CostModelError,
+    ModelShape,
+    check_fits,
+    load_catalog,
+    positive,
+)
 
 SIM_DIR = Path(__file__).resolve().parent
 SCENARIO_DIR = SIM_DIR / "scenarios"
 TAIL_CHUNK_MODES = ("alone", "packed", "padded")
-TTFT_FROM = ("decoder", "prefill", "client")
+# a scenario's SLA where it says nothing: the report's PD convention (the decode side streams the
+# first token) and bounds for its 64K-token requests; `pdd compare`'s are SLA()'s own
+SCENARIO_SLA_DEFAULTS = {"ttft_s": 5.0, "tpot_s": 0.05, "ttft_from": "decoder"}
 
 
-class SimConfigError(ValueError):
-    """A simulator config value that can't be used; the message names the file and field."""
+class ScenarioError(ValueError):
+    """A scenario value that can't be used; the message names the file and field."""
 
 
 def _check(cond: bool, field_: str, msg: str) -> None:
     if not cond:
-        raise SimConfigError(f"{field_}: {msg}")
+        raise ScenarioError(f"{field_}: {msg}")
 
 
-# ---------------------------------------------------------------- workload, SLA, scheduler, link
+# ---------------------------------------------------------------- workload, scheduler, link
 
 
 @dataclass(frozen=True)
@@ -50,11 +63,11 @@ class WorkloadSpec:
     families: int = 400  # distinct shared prefixes (sessions); caches are warmed with them
     # hit rate of a request = a draw from this mixture of uniforms: [[weight, lo, hi], ...]
     hit_mixture: tuple[tuple[float, float, float], ...] = ((1.0, 0.9, 0.9),)
-    anomalous_fraction: float = 0.0  # long input, short output (PDD.md: ~3-4%)
+    anomalous_fraction: float = 0.0  # long input, short output (docs/pdd.md: ~3-4%)
     anomalous_output_tokens: int = 200
     anomalous_hit: tuple[float, float] = (0.0, 0.3)
     trace_path: str | None = None
-    trace_time_scale: float = 1.0  # >1 stretches the trace (slower arrivals)
+    trace_gap_scale: float = 1.0  # >1 stretches the trace's gaps (slower arrivals)
     trace_limit: int | None = None
     seed: int = 0
 
@@ -62,8 +75,8 @@ class WorkloadSpec:
         _check(self.kind in ("synthetic", "trace"), "kind", f"must be synthetic|trace, got {self.kind!r}")
         for f in ("requests", "input_tokens", "output_tokens", "block_size", "families", "anomalous_output_tokens"):
             _check(isinstance(getattr(self, f), int) and getattr(self, f) > 0, f, f"must be an integer > 0, got {getattr(self, f)!r}")
-        _check(_pos(self.rate_rps), "rate_rps", f"must be > 0, got {self.rate_rps!r}")
-        _check(_pos(self.trace_time_scale), "trace_time_scale", "must be > 0")
+        _check(positive(self.rate_rps), "rate_rps", f"must be > 0, got {self.rate_rps!r}")
+        _check(positive(self.trace_gap_scale), "trace_gap_scale", "must be > 0")
         _check(bool(self.hit_mixture), "hit_mixture", "must list at least one [weight, lo, hi]")
         for i, comp in enumerate(self.hit_mixture):
             _check(len(comp) == 3 and comp[0] > 0 and 0 <= comp[1] <= comp[2] <= 1, f"hit_mixture[{i}]",
@@ -81,27 +94,9 @@ class WorkloadSpec:
 
 
 @dataclass(frozen=True)
-class SLASpec:
-    ttft_s: float = 5.0
-    tpot_s: float = 0.05
-    attainment: float = 0.9  # goodput = the highest rate at which this fraction meets both bounds
-    # decoder: the first token reaches the client when a decoder starts streaming (PD systems such as
-    # the report's, where the decode side returns every token); prefill: P streams its own token
-    # first (pdd_serve's Router with policy.stream_first_token on); client: what pdd_serve's Router
-    # sends by default (P->MD holds P's token until MD's first chunk; the relay pipelines send it at once).
-    ttft_from: str = "decoder"
-
-    def __post_init__(self) -> None:
-        _check(_pos(self.ttft_s), "ttft_s", "must be > 0")
-        _check(_pos(self.tpot_s), "tpot_s", "must be > 0")
-        _check(0 < self.attainment <= 1, "attainment", "must be in (0, 1]")
-        _check(self.ttft_from in TTFT_FROM, "ttft_from", f"must be one of {TTFT_FROM}")
-
-
-@dataclass(frozen=True)
 class SchedulerSpec:
     prefill_chunk_tokens: int = 8192  # token budget of one prefill forward
-    # a long prompt's leftover chunk: alone (can't be batched with other requests, PDD.md's tail
+    # a long prompt's leftover chunk: alone (can't be batched with other requests, docs/pdd.md's tail
     # chunks), packed (filled up with the next requests), padded (static shapes: costs a full chunk)
     tail_chunk: str = "alone"
     prefill_batch_requests: bool = True  # False: a forward holds one request's chunk (pdd_serve's Prefill)
@@ -129,18 +124,18 @@ class SchedulerSpec:
         _check(self.prefix_cache_gb >= 0, "prefix_cache_gb", "must be >= 0")
         _check(0 <= self.cache_slack < 0.5, "cache_slack", "must be in [0, 0.5)")
         _check(self.request_overhead_s >= 0, "request_overhead_s", "must be >= 0")
-        _check(_pos(self.compute_slowdown), "compute_slowdown", "must be > 0")
+        _check(positive(self.compute_slowdown), "compute_slowdown", "must be > 0")
         _check(self.decode_step_overhead_ms >= 0, "decode_step_overhead_ms", "must be >= 0")
         _check(self.md_call_overhead_s >= 0, "md_call_overhead_s", "must be >= 0")
 
 
 @dataclass(frozen=True)
-class LinkSpec:
-    """The inter-site line: a LinkModel preset (+ overrides) for one transfer, plus how transfers share."""
+class SimLink:
+    """A scenario's line: the link pdd_serve runs (`LinkConfig`: a preset of transport/link.py and
+    its overrides; evaluations/sim/line.py builds the model), plus what the simulator adds at
+    cluster scale: how transfers share the line and what it costs."""
 
-    preset: str = "same_dc"
-    scale_to_model: bool = True
-    overrides: tuple[tuple[str, Any], ...] = ()
+    link: LinkConfig = field(default_factory=LinkConfig)
     line_gbps: float | None = None  # aggregate capacity of the line (None: only the per-transfer model)
     per_prefill_bucket: bool = False  # transfers of one P replica share its pacer (pdd_serve's Prefill)
     # with per_prefill_bucket: a push's parallel Flight streams (flight.streams) and the bytes one
@@ -158,28 +153,16 @@ class LinkSpec:
     wire_goodput: float = 0.95
 
     def __post_init__(self) -> None:
-        try:
-            LinkConfig(self.preset, self.scale_to_model, self.overrides)
-        except ConfigError as e:
-            raise SimConfigError(f"preset: {e}") from None
-        _check(self.line_gbps is None or _pos(self.line_gbps), "line_gbps", "must be > 0 or null")
-        _check(self.wire_bps is None or _pos(self.wire_bps), "wire_bps", "must be > 0 or null")
+        _check(self.line_gbps is None or positive(self.line_gbps), "line_gbps", "must be > 0 or null")
+        _check(self.wire_bps is None or positive(self.wire_bps), "wire_bps", "must be > 0 or null")
         _check(0 < self.wire_goodput <= 1, "wire_goodput", "must be in (0, 1]")
         _check(isinstance(self.streams, int) and 1 <= self.streams <= 16, "streams", "must be an int in [1, 16]")
-        _check(self.stream_unit_bytes is None or _pos(self.stream_unit_bytes), "stream_unit_bytes", "must be > 0 or null")
+        _check(self.stream_unit_bytes is None or positive(self.stream_unit_bytes), "stream_unit_bytes", "must be > 0 or null")
         _check(self.price_per_hour >= 0, "price_per_hour", "must be >= 0")
 
     @property
     def cross_site(self) -> bool:
-        return self.preset != "same_dc"
-
-    def build(self, kv_bytes_per_token: int):  # -> pdd_serve.transport.link.LinkModel (or it under a wire)
-        link = LinkConfig(self.preset, self.scale_to_model, self.overrides).build(kv_bytes_per_token)
-        if self.wire_bps is None:
-            return link
-        from evaluations.sim.simulator import WireCap
-
-        return WireCap(link, self.wire_bps * self.wire_goodput / 8)
+        return self.link.preset != "same_dc"
 
 
 # ---------------------------------------------------------------- deployments
@@ -225,16 +208,26 @@ class DeploymentSpec:
         return r
 
 
-@dataclass(frozen=True)
-class Scenario:
+@dataclass(frozen=True, kw_only=True)
+class BaseScenario:
+    """What every scenario file says: its name, the model shape it runs (a catalog name or inline)
+    and the SLA, every duration in (emulated) seconds. Two kinds build on it: `Scenario` below (the
+    simulator's deployments at cluster scale) and `EmulatedScenario` (evaluations/sim/emulated.py:
+    `pdd compare --emulate`, the four graphs on emulated chips in slow motion)."""
+
     name: str
     path: str
-    chips: dict[str, ChipSpec]
-    model: ModelSpec
+    model: ModelShape
+    sla: SLA
+    description: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scenario(BaseScenario):
+    chips: dict[str, ChipSpec]  # the one catalog's, with the scenario's own `catalog:` over them
     workload: WorkloadSpec
-    sla: SLASpec
     scheduler: SchedulerSpec
-    links: dict[str, LinkSpec]
+    links: dict[str, SimLink]
     deployments: dict[str, DeploymentSpec]
     compare: dict[str, Any] = field(default_factory=dict)
     goodput: dict[str, Any] = field(default_factory=dict)
@@ -254,20 +247,18 @@ class Scenario:
 
 def _build(cls: type, data: Any, where: str, path: Path, **extra: Any) -> Any:
     if not isinstance(data, dict):
-        raise SimConfigError(f"{path}: {where}: must be a mapping, got {type(data).__name__}")
+        raise ScenarioError(f"{path}: {where}: must be a mapping, got {type(data).__name__}")
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise SimConfigError(f"{path}: {where}.{unknown[0]}: unknown key; valid: {', '.join(sorted(names - set(extra)))}")
+        raise ScenarioError(f"{path}: {where}.{unknown[0]}: unknown key; valid: {', '.join(sorted(names - set(extra)))}")
     kw = {k: _tuplify(v) for k, v in data.items()}
     try:
         return cls(**kw, **extra)
-    except SimConfigError as e:
-        raise SimConfigError(f"{path}: {where}.{e}") from None
-    except (ConfigError, CostModelError) as e:
-        raise SimConfigError(f"{path}: {where}.{e}") from None
+    except ValueError as e:  # ours, ConfigError, CostModelError, SLA's: each names its field
+        raise ScenarioError(f"{path}: {where}.{e}") from None
     except TypeError as e:
-        raise SimConfigError(f"{path}: {where}: {e}") from None
+        raise ScenarioError(f"{path}: {where}: {e}") from None
 
 
 def _tuplify(v: Any) -> Any:
@@ -276,43 +267,16 @@ def _tuplify(v: Any) -> Any:
     return v
 
 
-def _read_yaml(path: Path) -> dict:
+def read_yaml(path: Path) -> dict:
     try:
         doc = yaml.safe_load(path.read_text())
     except OSError as e:
-        raise SimConfigError(f"{path}: cannot read: {e.strerror or e}") from None
+        raise ScenarioError(f"{path}: cannot read: {e.strerror or e}") from None
     except yaml.YAMLError as e:
-        raise SimConfigError(f"{path}: not valid YAML: {e}") from None
+        raise ScenarioError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(doc, dict):
-        raise SimConfigError(f"{path}: must hold a mapping at the top level")
+        raise ScenarioError(f"{path}: must hold a mapping at the top level")
     return doc
-
-
-def load_chips(path: str | Path) -> dict[str, ChipSpec]:
-    path = Path(path)
-    doc = _read_yaml(path)
-    chips = doc.get("chips")
-    if not isinstance(chips, dict) or not chips:
-        raise SimConfigError(f"{path}: chips: must map chip names to their specs")
-    return {name: _build(ChipSpec, _from_price_catalog(spec), f"chips.{name}", path, name=name)
-            for name, spec in chips.items()}
-
-
-def _from_price_catalog(spec: Any) -> Any:
-    """evaluations/chips.yaml's entries (the BCR price catalog of `pdd compare`: peak_tflops,
-    memory_gb, memory_bw_tbps, interconnect_gbps, price_per_hour) as ChipSpec fields; mfu, mbu
-    and the per-forward overhead keep ChipSpec's defaults. That catalog's `interconnect_gbps` is
-    the scale-UP (NVLink) figure: it feeds tensor-parallel all-reduces, never in-site KV copies,
-    which take a 400 Gb/s NIC (50 GB/s) unless the entry names `nic_gb_s`."""
-    if not isinstance(spec, dict) or "memory_gb" not in spec:
-        return spec
-    known = {"peak_tflops", "memory_gb", "memory_bw_tbps", "interconnect_gbps", "nic_gb_s", "price_per_hour"}
-    out = {k: v for k, v in spec.items() if k not in known}
-    out.update(peak_tflops=spec.get("peak_tflops"), mem_gb=spec.get("memory_gb"),
-               mem_bw_gb_s=None if spec.get("memory_bw_tbps") is None else spec["memory_bw_tbps"] * 1000,
-               scaleup_gb_s=spec.get("interconnect_gbps"), interconnect_gb_s=spec.get("nic_gb_s", 50.0),
-               price_per_hour=spec.get("price_per_hour"))
-    return out
 
 
 def _policy(data: Any, where: str, path: Path) -> PolicyConfig:
@@ -320,112 +284,138 @@ def _policy(data: Any, where: str, path: Path) -> PolicyConfig:
         return PolicyConfig()
     try:
         return _build(PolicyConfig, data, where, path)
-    except SimConfigError:
+    except ScenarioError:
         raise
 
 
-def _link(data: Any, where: str, path: Path) -> LinkSpec:
+def _link(data: Any, where: str, path: Path) -> SimLink:
+    """`wan: pdd_report` or `wan: {preset: pdd_report, line_gbps: 100, one_way_latency_s: 0.02}`: the
+    preset and any key the simulator doesn't own (a LinkModel parameter) make the LinkConfig."""
     if isinstance(data, str):
         data = {"preset": data}
     if not isinstance(data, dict):
-        raise SimConfigError(f"{path}: {where}: must be a preset name or a mapping")
-    own = {f.name for f in dataclasses.fields(LinkSpec)} - {"overrides"}
-    kw = {k: v for k, v in data.items() if k in own}
-    over = tuple(sorted((k, _tuplify(v)) for k, v in data.items() if k not in own))
-    return _build(LinkSpec, {**kw, "overrides": over}, where, path)
+        raise ScenarioError(f"{path}: {where}: must be a preset name or a mapping")
+    own = {f.name for f in dataclasses.fields(SimLink)} - {"link"}
+    top = ("preset", "scale_to_model")
+    over = tuple(sorted((k, _tuplify(v)) for k, v in data.items() if k not in own and k not in top))
+    try:
+        link = LinkConfig(**{k: data[k] for k in top if k in data}, overrides=over)
+    except ConfigError as e:
+        raise ScenarioError(f"{path}: {where}.preset: {e}") from None
+    return _build(SimLink, {k: v for k, v in data.items() if k in own}, where, path, link=link)
 
 
 def _role(data: Any, where: str, path: Path, chips: dict[str, ChipSpec]) -> RoleSpec:
     r = _build(RoleSpec, data, where, path)
     if r.chip not in chips:
-        raise SimConfigError(f"{path}: {where}.chip: unknown chip {r.chip!r}; the catalog has {', '.join(sorted(chips))}")
+        raise ScenarioError(f"{path}: {where}.chip: unknown chip {r.chip!r}; the catalog has {', '.join(sorted(chips))}")
     return r
 
 
-def build_deployment(name: str, data: Any, path: Path, chips: dict[str, ChipSpec], links: dict[str, LinkSpec]) -> DeploymentSpec:
+def build_deployment(name: str, data: Any, path: Path, chips: dict[str, ChipSpec], links: dict[str, SimLink]) -> DeploymentSpec:
     where = f"deployments.{name}"
     if not isinstance(data, dict):
-        raise SimConfigError(f"{path}: {where}: must be a mapping")
+        raise ScenarioError(f"{path}: {where}: must be a mapping")
     valid = {"prefill", "relay", "main_decode", "link", "policy"}
     unknown = sorted(set(data) - valid)
     if unknown:
-        raise SimConfigError(f"{path}: {where}.{unknown[0]}: unknown key; valid: {', '.join(sorted(valid))}")
+        raise ScenarioError(f"{path}: {where}.{unknown[0]}: unknown key; valid: {', '.join(sorted(valid))}")
     for req in ("prefill", "main_decode", "link"):
         if req not in data:
-            raise SimConfigError(f"{path}: {where}.{req}: is required")
+            raise ScenarioError(f"{path}: {where}.{req}: is required")
     if data["link"] not in links:
-        raise SimConfigError(f"{path}: {where}.link: unknown link {data['link']!r}; defined: {', '.join(sorted(links))}")
+        raise ScenarioError(f"{path}: {where}.link: unknown link {data['link']!r}; defined: {', '.join(sorted(links))}")
     relay = _role(data["relay"], f"{where}.relay", path, chips) if data.get("relay") is not None else None
     try:
         return DeploymentSpec(name, _role(data["prefill"], f"{where}.prefill", path, chips),
                               _role(data["main_decode"], f"{where}.main_decode", path, chips), data["link"], relay,
                               _policy(data.get("policy"), f"{where}.policy", path))
-    except SimConfigError as e:
+    except ScenarioError as e:
         if str(e).startswith(str(path)):
             raise
-        raise SimConfigError(f"{path}: {where}.{e}") from None
+        raise ScenarioError(f"{path}: {where}.{e}") from None
 
 
-_SCENARIO_KEYS = {"name", "chips", "model", "workload", "sla", "scheduler", "links", "deployments", "compare",
+_SCENARIO_KEYS = {"name", "catalog", "model", "workload", "sla", "scheduler", "links", "deployments", "compare",
                   "goodput", "bathtub", "price_sensitivity", "reference", "plan", "description"}
 
 
-def resolve_scenario_path(name_or_path: str | Path) -> Path:
+def _catalog(own: Any, path: Path) -> Catalog:
+    """The one catalog, with the scenario's own (`catalog: FILE`, relative to it) over it."""
+    if own is None:
+        return load_catalog()
+    if not isinstance(own, str):
+        raise ScenarioError(f"{path}: catalog: must be the path of a catalog file, got {own!r}")
+    try:
+        return load_catalog().merged(load_catalog((path.parent / own).resolve()))
+    except CostModelError as e:
+        raise ScenarioError(f"{path}: catalog: {e}") from None
+
+
+def scenario_model(data: Any, path: Path, cat: Catalog) -> ModelShape:
+    """A model shape of the catalog by name (as an emulated scenario names it), or one inline."""
+    if not isinstance(data, str):
+        return _build(ModelShape, data, "model", path)
+    try:
+        return cat.model(data)
+    except CostModelError as e:
+        raise ScenarioError(f"{path}: {e}") from None
+
+
+def resolve_scenario_path(name_or_path: str | Path, scenario_dir: Path = SCENARIO_DIR) -> Path:
+    """A path as given, else a built-in scenario of `scenario_dir` by name."""
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml") or p.exists():
         return p
-    cand = SCENARIO_DIR / f"{name_or_path}.yaml"
+    cand = scenario_dir / f"{name_or_path}.yaml"
     if not cand.exists():
-        known = sorted(x.stem for x in SCENARIO_DIR.glob("*.yaml"))
-        raise SimConfigError(f"unknown scenario {name_or_path!r}; built-in: {', '.join(known)} (or a path to a YAML file)")
+        known = sorted(x.stem for x in scenario_dir.glob("*.yaml"))
+        raise ScenarioError(f"unknown scenario {name_or_path!r}; built-in: {', '.join(known)} (or a path to a YAML file)")
     return cand
 
 
 def load_scenario(name_or_path: str | Path) -> Scenario:
-    """Read and validate a scenario YAML (and the chip catalog it names, relative to it)."""
+    """Read and validate a scenario YAML (and its own chip catalog, `catalog:`, relative to it)."""
     path = resolve_scenario_path(name_or_path)
-    doc = _read_yaml(path)
+    doc = read_yaml(path)
     unknown = sorted(set(doc) - _SCENARIO_KEYS)
     if unknown:
-        raise SimConfigError(f"{path}: {unknown[0]}: unknown key; valid: {', '.join(sorted(_SCENARIO_KEYS))}")
-    for req in ("chips", "model", "deployments", "links"):
+        raise ScenarioError(f"{path}: {unknown[0]}: unknown key; valid: {', '.join(sorted(_SCENARIO_KEYS))}")
+    for req in ("model", "deployments", "links"):
         if req not in doc:
-            raise SimConfigError(f"{path}: {req}: is required")
-    chips_ref = doc["chips"]
-    if isinstance(chips_ref, str):
-        chips = load_chips((path.parent / chips_ref).resolve())
-    elif isinstance(chips_ref, dict):
-        chips = {n: _build(ChipSpec, s, f"chips.{n}", path, name=n) for n, s in chips_ref.items()}
-    else:
-        raise SimConfigError(f"{path}: chips: must be a catalog path or a mapping")
-    model = _build(ModelSpec, doc["model"], "model", path)
+            raise ScenarioError(f"{path}: {req}: is required")
+    cat = _catalog(doc.get("catalog"), path)
+    chips = dict(cat.chips)
+    model = scenario_model(doc["model"], path, cat)
     wl = dict(doc.get("workload") or {})
     if wl.get("trace_path") and not Path(wl["trace_path"]).is_absolute():
         wl["trace_path"] = str((path.parent / wl["trace_path"]).resolve())
     workload = _build(WorkloadSpec, wl, "workload", path)
-    sla = _build(SLASpec, doc.get("sla") or {}, "sla", path)
+    sla = _build(SLA, {**SCENARIO_SLA_DEFAULTS, **(doc.get("sla") or {})}, "sla", path)
     sched = _build(SchedulerSpec, doc.get("scheduler") or {}, "scheduler", path)
     if not isinstance(doc["links"], dict) or not doc["links"]:
-        raise SimConfigError(f"{path}: links: must map link names to presets")
+        raise ScenarioError(f"{path}: links: must map link names to presets")
     links = {n: _link(v, f"links.{n}", path) for n, v in doc["links"].items()}
     if not isinstance(doc["deployments"], dict) or not doc["deployments"]:
-        raise SimConfigError(f"{path}: deployments: must map names to deployments")
+        raise ScenarioError(f"{path}: deployments: must map names to deployments")
     deps = {n: build_deployment(n, v, path, chips, links) for n, v in doc["deployments"].items()}
     compare = dict(doc.get("compare") or {})
     for k in ("subject", "cost_baseline", "latency_baseline", "naive_baseline"):
         if k in compare and compare[k] not in deps:
-            raise SimConfigError(f"{path}: compare.{k}: unknown deployment {compare[k]!r}; defined: {', '.join(deps)}")
+            raise ScenarioError(f"{path}: compare.{k}: unknown deployment {compare[k]!r}; defined: {', '.join(deps)}")
     ps = dict(doc.get("price_sensitivity") or {})
     if ps and ps.get("chip") not in chips:
-        raise SimConfigError(f"{path}: price_sensitivity.chip: unknown chip {ps.get('chip')!r}")
-    sc = Scenario(str(doc.get("name", path.stem)), str(path), chips, model, workload, sla, sched, links, deps,
-                  compare, dict(doc.get("goodput") or {}), dict(doc.get("bathtub") or {}), ps,
-                  dict(doc.get("reference") or {}), dict(doc.get("plan") or {}))
+        raise ScenarioError(f"{path}: price_sensitivity.chip: unknown chip {ps.get('chip')!r}")
+    sc = Scenario(name=str(doc.get("name", path.stem)), path=str(path), model=model, sla=sla,
+                  description=str(doc.get("description", "")).strip(), chips=chips, workload=workload,
+                  scheduler=sched, links=links, deployments=deps, compare=compare,
+                  goodput=dict(doc.get("goodput") or {}), bathtub=dict(doc.get("bathtub") or {}),
+                  price_sensitivity=ps, reference=dict(doc.get("reference") or {}), plan=dict(doc.get("plan") or {}))
 
     for d in deps.values():
         for role, r in d.roles().items():
             try:
                 check_fits(chips[r.chip], model, r.chips_per_instance, sched.mem_reserve_fraction)
             except ValueError as e:
-                raise SimConfigError(f"{path}: deployments.{d.name}.{role}: {e}") from None
+                raise ScenarioError(f"{path}: deployments.{d.name}.{role}: {e}") from None
     return sc

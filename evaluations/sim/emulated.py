@@ -2,9 +2,11 @@
 `emulate:` block each graph gets, the emulated cost of a deployment, and the pacers' overrun.
 
 A scenario (evaluations/scenarios/*.yaml) pins what a run emulates: the model shape, the chips and
-`tp` per graph and site, the link, the SLA, the workload and `time_scale`. Every duration in it is
-in emulated seconds; the load generator stretches arrivals, think times and timeouts by
-`time_scale` and divides every measured time back, so the tables read in emulated seconds.
+`tp` per graph and site, the link, the SLA, the workload and `time_scale`. Every
+duration in it is in emulated seconds; the load generator stretches arrivals, think times and
+timeouts by `time_scale` and divides every measured time back, so the tables read in emulated
+seconds. It is a scenario like the simulator's (config.BaseScenario: name, model, SLA, read the
+same way), and `sim_scenario_for` turns it into the simulator's own for sim-vs-real.
 """
 
 from __future__ import annotations
@@ -17,84 +19,81 @@ from typing import Any
 
 import yaml
 
+from evaluations.loadgen import SLA
+from evaluations.sim.config import (
+    BaseScenario,
+    ScenarioError,
+    read_yaml,
+    resolve_scenario_path,
+    scenario_model,
+)
 from pdd_serve.config import PDDConfig
 from pdd_serve.emulation import costmodel
-from pdd_serve.emulation.pacer import merge_stats
+from pdd_serve.emulation.clock import Clock
+from pdd_serve.emulation.pacer import build_emulation, merge_stats
 
-SCENARIO_DIR = Path(__file__).with_name("scenarios")
+SCENARIO_DIR = Path(__file__).resolve().parents[1] / "scenarios"  # evaluations/scenarios, not sim/scenarios
 ENGINE_DEPLOYMENTS = {"prefill": "Prefill", "relay": "Relay", "main_decode": "MainDecode"}
+_KEYS = {"name", "description", "time_scale", "model", "chips", "link", "sla", "workload", "relay_cost_fraction"}
 
 
-class ScenarioError(ValueError):
-    """A scenario file that can't be used; the message names the file and the field."""
-
-
-@dataclass(frozen=True)
-class EmulatedScenario:
-    name: str
-    path: str
+@dataclass(frozen=True, kw_only=True)
+class EmulatedScenario(BaseScenario):
     time_scale: float
-    model: str
-    chips: dict[str, dict[str, dict[str, Any]]]  # graph -> site -> {chip, tp}
+    chips: dict[str, dict[str, dict[str, Any]]]  # graph -> site -> {chip, tp}: each graph's `emulate:`
     link: dict[str, Any]
-    sla: dict[str, float]
     workload: dict[str, Any] = field(default_factory=dict)
-    description: str = ""
     # the share of a relay replica's chips this deployment pays for: at the report's scale 3 relay
     # instances serve 40 prefill instances, so a 1-prefill deployment needs ~3/40 of one; 1.0 prices
     # the relay replica whole (what this small deployment rents)
     relay_cost_fraction: float = 1.0
 
     def emulate_block(self, graph: str) -> dict[str, Any]:
-        """The `emulate:` mapping a graph is deployed with."""
+        """The `emulate:` mapping a graph is deployed with (beside it, the graph-wide `time_scale`)."""
         if graph not in self.chips:
             raise ScenarioError(f"{self.path}: chips.{graph}: the scenario gives no chips for graph {graph!r} "
                                 f"(it has {', '.join(sorted(self.chips))})")
-        return {"model": self.model, "time_scale": self.time_scale, **{s: dict(v) for s, v in self.chips[graph].items()}}
+        return {"model": self.model.name, **{s: dict(v) for s, v in self.chips[graph].items()}}
 
     def params(self) -> dict[str, Any]:
-        return {"emulated": True, "scenario": self.name, "time_scale": self.time_scale, "emulate.model": self.model,
-                "emulate.chips": json.dumps(self.chips, sort_keys=True), "relay_cost_fraction": self.relay_cost_fraction}
+        return {"emulated": True, "scenario": self.name, "time_scale": self.time_scale,
+                "emulate.model": self.model.name, "emulate.chips": json.dumps(self.chips, sort_keys=True),
+                "relay_cost_fraction": self.relay_cost_fraction}
 
 
 def load_scenario(name_or_path: str | Path) -> EmulatedScenario:
-    p = Path(name_or_path)
-    if not p.is_file():
-        p = SCENARIO_DIR / f"{name_or_path}.yaml"
-    if not p.is_file():
-        known = ", ".join(sorted(x.stem for x in SCENARIO_DIR.glob("*.yaml")))
-        raise ScenarioError(f"unknown emulated scenario {name_or_path!r}: give a path or one of {known}")
-    try:
-        doc = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise ScenarioError(f"{p}: not valid YAML: {e}") from None
-    if not isinstance(doc, dict):
-        raise ScenarioError(f"{p}: must hold a mapping")
+    p = resolve_scenario_path(name_or_path, SCENARIO_DIR)
+    doc = read_yaml(p)
     for k in ("time_scale", "model", "chips", "link", "sla"):
         if k not in doc:
             raise ScenarioError(f"{p}: {k}: required")
-    unknown = set(doc) - {"name", "description", "time_scale", "model", "chips", "link", "sla", "workload",
-                          "relay_cost_fraction"}
+    unknown = set(doc) - _KEYS
     if unknown:
-        raise ScenarioError(f"{p}: {sorted(unknown)[0]}: unknown key")
+        raise ScenarioError(f"{p}: {sorted(unknown)[0]}: unknown key; valid: {', '.join(sorted(_KEYS))}")
     ts = doc["time_scale"]
     if not isinstance(ts, (int, float)) or ts <= 0:
         raise ScenarioError(f"{p}: time_scale: must be a number > 0, got {ts!r}")
-    try:
-        costmodel.load_catalog().model(doc["model"])
-    except costmodel.CostModelError as e:
-        raise ScenarioError(f"{p}: {e}") from None
+    if not isinstance(doc["model"], str):  # each graph's emulate: names it
+        raise ScenarioError(f"{p}: model: must name a model shape of {costmodel.CATALOG_PATH}")
+    model = scenario_model(doc["model"], p, costmodel.load_catalog())
     frac = doc.get("relay_cost_fraction", 1.0)
     if not isinstance(frac, (int, float)) or not 0 < frac <= 1:
         raise ScenarioError(f"{p}: relay_cost_fraction: must be in (0, 1], got {frac!r}")
-    return EmulatedScenario(str(doc.get("name", p.stem)), str(p), float(ts), doc["model"], doc["chips"],
-                            dict(doc["link"]), dict(doc["sla"]), dict(doc.get("workload") or {}),
-                            str(doc.get("description", "")).strip(), float(frac))
+    if not isinstance(doc["sla"], dict):
+        raise ScenarioError(f"{p}: sla: must be a mapping (ttft_s, tpot_s)")
+    try:
+        sla = SLA(**doc["sla"])
+    except (ValueError, TypeError) as e:
+        raise ScenarioError(f"{p}: sla: {e}") from None
+    return EmulatedScenario(name=str(doc.get("name", p.stem)), path=str(p), model=model, sla=sla,
+                            description=str(doc.get("description", "")).strip(), time_scale=float(ts),
+                            chips=doc["chips"], link=dict(doc["link"]), workload=dict(doc.get("workload") or {}),
+                            relay_cost_fraction=float(frac))
 
 
 def role_chips(cfg: PDDConfig) -> dict[str, str]:
     """Each deployed engine role's emulated accelerator, e.g. {'prefill': '4 x h100-sxm', ...}."""
-    return {r: f"{e.tp} x {e.chip.name}" for r in cfg.engine_roles() if (e := cfg.emulation_for(r)) is not None}
+    return {r: f"{e.tp} x {e.chip.name}" for r in cfg.engine_roles() if (e := build_emulation(cfg, r)) is not None}
 
 
 def cost_per_hour(cfg: PDDConfig, relay_fraction: float = 1.0) -> float:
@@ -103,7 +102,7 @@ def cost_per_hour(cfg: PDDConfig, relay_fraction: float = 1.0) -> float:
     `pdd compare`'s BCR)."""
     total = 0.0
     for role in cfg.engine_roles():
-        e = cfg.emulation_for(role)
+        e = build_emulation(cfg, role)
         total += _replicas(cfg, role) * e.tp * e.chip.price_per_hour * (relay_fraction if role == "relay" else 1.0)
     return total
 
@@ -204,7 +203,7 @@ def real_kv_bytes_per_token(model: Any) -> int:
 
 def sim_scenario_doc(sc: EmulatedScenario, graphs: list[Any]) -> dict[str, Any]:
     """The same scenario as the simulator reads it (evaluations/sim/config.py's schema): the
-    emulated model and chips from the one catalog, each graph's deployment with its policy and
+    emulated model, chips of the one catalog by name, each graph's deployment with its policy and
     replicas x tp chips, the scenario's link, SLA and pdd_serve's scheduler (one request per
     prefill forward in 256-token chunks, decode batch `max_batch`, the real pool's prefix cache
     at the emulated KV size). `graphs`: the prepared graphs (evaluations.harness.PreparedGraph)."""
@@ -212,10 +211,7 @@ def sim_scenario_doc(sc: EmulatedScenario, graphs: list[Any]) -> dict[str, Any]:
 
     from pdd_serve.serve.prefill import PREFILL_CHUNK_TOKENS
 
-    cat = costmodel.load_catalog()
-    shape = cat.model(sc.model)
-    used = sorted({site["chip"] for g in sc.chips.values() for site in g.values()})
-    chips = {n: {k: v for k, v in dataclasses.asdict(cat.chip(n)).items() if k != "name"} for n in used}
+    shape = sc.model
     model = {k: v for k, v in dataclasses.asdict(shape).items() if k not in ("name",) and v is not None}
     model["name"] = shape.name
     first = graphs[0].cfg
@@ -227,14 +223,14 @@ def sim_scenario_doc(sc: EmulatedScenario, graphs: list[Any]) -> dict[str, Any]:
         cfg = g.cfg
         dep: dict[str, Any] = {}
         for role in cfg.engine_roles():
-            e = cfg.emulation_for(role)
+            e = build_emulation(cfg, role)
             dep[role] = {"chip": e.chip.name, "count": _replicas(cfg, role) * e.tp, "chips_per_instance": e.tp}
         dep["link"] = "wan" if g.cross_site else "same_dc"
         pol = dataclasses.asdict(cfg.policy)
         pol["pipelines"] = list(pol["pipelines"])
         # the routers poll the MD views every drc_view_period_s of REAL time: in emulated time that
         # is time_scale times more often, and the simulator is told so
-        pol["drc_view_period_s"] = cfg.policy.drc_view_period_s / cfg.time_scale
+        pol["drc_view_period_s"] = Clock(cfg.time_scale).emulated(cfg.policy.drc_view_period_s)
         dep["policy"] = pol
         deployments[g.name] = dep
     link = {k: v for k, v in sc.link.items()}
@@ -247,10 +243,10 @@ def sim_scenario_doc(sc: EmulatedScenario, graphs: list[Any]) -> dict[str, Any]:
                 stream_unit_bytes=unit_blocks * bs * shape.kv_bytes_per_token)
     return {
         "name": f"{sc.name} (simulated)",
-        "chips": chips,
         "model": model,
         "workload": {"kind": "synthetic", "block_size": first.model.block_size},
-        "sla": {"ttft_s": sc.sla["ttft_s"], "tpot_s": sc.sla["tpot_s"], "attainment": 0.9, "ttft_from": "client"},
+        "sla": {"ttft_s": sc.sla.ttft_s, "tpot_s": sc.sla.tpot_s, "attainment": sc.sla.attainment,
+                "ttft_from": sc.sla.ttft_from},
         "scheduler": {"prefill_chunk_tokens": PREFILL_CHUNK_TOKENS, "prefill_batch_requests": False,
                       "tail_chunk": "packed", "decode_max_batch": first.engine_for("main_decode").max_batch,
                       "mem_reserve_fraction": 0.1,
@@ -258,22 +254,6 @@ def sim_scenario_doc(sc: EmulatedScenario, graphs: list[Any]) -> dict[str, Any]:
         "links": {"same_dc": {"preset": "same_dc"}, "wan": link},
         "deployments": deployments,
     }
-
-
-def simulate_records(sc: EmulatedScenario, graphs: list[Any], rows: list[dict[str, Any]], out_dir: Path,
-                     draws: int = 3, request_overhead_s: float = 0.0) -> dict[str, Any]:
-    """Replay the measured requests (arrivals, lengths, prefix hits) through the simulator on the
-    same scenario; per graph: predicted vs measured TTFT P50/P90 and goodput, relative errors.
-    `request_overhead_s`: the serving software's time per request in emulated seconds (measured on
-    same-DC requests that were alone: compare.software_overhead_real_s / time_scale), which the
-    chips' cost model cannot know."""
-    import dataclasses
-
-    from evaluations.sim.validate import validate
-
-    sim = sim_scenario_for(sc, graphs, out_dir)
-    sim = dataclasses.replace(sim, scheduler=dataclasses.replace(sim.scheduler, request_overhead_s=request_overhead_s))
-    return validate(sim, rows, sc.sla["ttft_s"], sc.sla["tpot_s"], draws=draws)
 
 
 def sim_scenario_for(sc: EmulatedScenario, graphs: list[Any] | None = None, out_dir: Path | None = None):

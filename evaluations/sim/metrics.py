@@ -11,30 +11,30 @@ from typing import Any
 
 import numpy as np
 
-from evaluations.sim.config import SLASpec
+from evaluations.loadgen import SLA
 from evaluations.sim.workload import SimRequest
 
 
-def first_token(r: SimRequest, sla: SLASpec) -> float:
+def first_token(r: SimRequest, sla: SLA) -> float:
     """When the client gets its first token, under the SLA's convention (-1: never)."""
     if sla.ttft_from == "decoder" or (sla.ttft_from == "client" and r.pipeline == "P-MD" and r.output > 1):
         return r.t_first_decoder
     return r.t_first_prefill
 
 
-def ttft(r: SimRequest, sla: SLASpec) -> float:
+def ttft(r: SimRequest, sla: SLA) -> float:
     t = first_token(r, sla)
     return (t - r.arrival) if t >= 0 else float("inf")
 
 
-def tpot(r: SimRequest, sla: SLASpec) -> float:
+def tpot(r: SimRequest, sla: SLA) -> float:
     if r.output <= 1:
         return 0.0
     t = first_token(r, sla)
     return (r.t_done - t) / (r.output - 1) if t >= 0 and r.t_done >= 0 else float("inf")
 
 
-def meets_sla(r: SimRequest, sla: SLASpec) -> bool:
+def meets_sla(r: SimRequest, sla: SLA) -> bool:
     return (r.finished == 1 and not r.fallback.startswith("failed")
             and ttft(r, sla) <= sla.ttft_s and tpot(r, sla) <= sla.tpot_s)
 
@@ -47,7 +47,7 @@ def _pct(x: np.ndarray, q: float) -> float:
     return float("inf") if np.isnan(v) else v
 
 
-def summarize(reqs: list[SimRequest], sla: SLASpec, warmup_s: float = 0.0) -> dict[str, Any]:
+def summarize(reqs: list[SimRequest], sla: SLA, warmup_s: float = 0.0) -> dict[str, Any]:
     """Metrics over the requests arriving after `warmup_s` (the system starts empty)."""
     if warmup_s > 0:
         t0 = reqs[0].arrival if reqs else 0.0

@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from evaluations.sim.config import DeploymentSpec, RoleSpec, Scenario, SimConfigError
+from evaluations.sim.config import DeploymentSpec, RoleSpec, Scenario, ScenarioError
+from evaluations.sim.line import line_model
 from evaluations.sim.report import goodput_of, requests_for, simulate
 from evaluations.sim.workload import FRESH_ID_BASE, Workload, build_workload, synthetic
 from pdd_serve.emulation.costmodel import decode_step_time, kv_capacity_tokens, prefill_time
@@ -66,8 +67,9 @@ class PlanResult:
     seq_tokens: int | None = None  # mean prompt + output tokens (sizes the relay's admission)
 
 
-def _deployment(sc: Scenario, template: DeploymentSpec, link: str, chip_a: str, chip_b: str,
-                counts: dict[str, int], wan_budget_s: float | None = None, seq_tokens: int | None = None) -> DeploymentSpec:
+def planned_deployment(sc: Scenario, template: DeploymentSpec, link: str, chip_a: str, chip_b: str,
+                       counts: dict[str, int], wan_budget_s: float | None = None,
+                       seq_tokens: int | None = None) -> DeploymentSpec:
     """The template's policy with the relay admission sized to the pool (sequences of `seq_tokens`)."""
     relay_cap = kv_capacity_tokens(sc.chips[chip_a], sc.model, 1, sc.scheduler.mem_reserve_fraction)
     per_relay = max(1, relay_cap // (seq_tokens or sc.workload.input_tokens + sc.workload.output_tokens))
@@ -112,7 +114,7 @@ def initial_counts(sc: Scenario, template: DeploymentSpec, link: str, chip_a: st
     per_md = seqs / (out * step)
     n_md = math.ceil(target * 1.1 / per_md)
     ls = sc.links[link]
-    lm = ls.build(m.kv_bytes_per_token)
+    lm = line_model(ls, m.kv_bytes_per_token)
     est = LinkEstimate(lm.bandwidth_bps / 8 if lm.bandwidth_bps else math.inf, lm.config.one_way_latency_s)
     bb = wl.block_size * m.kv_bytes_per_token
     busy = []
@@ -157,17 +159,17 @@ def plan(sc: Scenario, target_rps: float | None = None, max_steps: int | None = 
          window_s: float | None = None) -> PlanResult:
     p = sc.plan
     if not p:
-        raise SimConfigError(f"{sc.path}: plan: the scenario has no plan section")
+        raise ScenarioError(f"{sc.path}: plan: the scenario has no plan section")
     link = p.get("link", "inter_dc")
     if link not in sc.links:
-        raise SimConfigError(f"{sc.path}: plan.link: unknown link {link!r}")
+        raise ScenarioError(f"{sc.path}: plan.link: unknown link {link!r}")
     template = sc.deployments[p.get("policy_from", sc.compare.get("subject", "pdd"))]
     site_a = list(p.get("chips_site_a", [template.prefill.chip]))
     site_b = list(p.get("chips_site_b", [template.main_decode.chip]))
     for key, lst in (("chips_site_a", site_a), ("chips_site_b", site_b)):
         for c in lst:
             if c not in sc.chips:
-                raise SimConfigError(f"{sc.path}: plan.{key}: unknown chip {c!r}")
+                raise ScenarioError(f"{sc.path}: plan.{key}: unknown chip {c!r}")
     horizon = float(p.get("horizon_s", sc.goodput.get("horizon_s", 240.0)))
     seq_tokens = None
     if trace is not None:  # the user's own load: the trace at its own arrival times
@@ -202,7 +204,7 @@ def plan(sc: Scenario, target_rps: float | None = None, max_steps: int | None = 
         key = (a, b, counts["prefill"], counts["relay"], counts["main_decode"], budget)
         if key in cache:
             return cache[key]
-        dep = _deployment(sc, template, link, a, b, counts, budget, seq_tokens)
+        dep = planned_deployment(sc, template, link, a, b, counts, budget, seq_tokens)
         s, sim = simulate(sc, dep, workload(), warmup_s=warm)
         c = Candidate(a, b, dict(counts), sc.cost_per_hour(dep), s, s["attainment"] >= sc.sla.attainment, why,
                       budget, s["goodput_rps_at_load"])
@@ -259,7 +261,7 @@ def plan(sc: Scenario, target_rps: float | None = None, max_steps: int | None = 
                              "bcr": s["goodput_rps_at_load"] / cost, "attainment": s["attainment"],
                              "counts": {k: r.count for k, r in ref.roles().items()}}
         return res
-    dep = _deployment(sc, template, link, b.chip_a, b.chip_b, b.counts, b.wan_budget_s)
+    dep = planned_deployment(sc, template, link, b.chip_a, b.chip_b, b.counts, b.wan_budget_s)
     g = goodput_of(sc, dep, horizon_s=horizon, iterations=5)
     res.best_goodput_rps = g.rate
     res.best_bcr = g.rate / b.cost
@@ -298,8 +300,9 @@ def graph_yaml(sc: Scenario, res: PlanResult, template_path: str | Path) -> str:
     app = doc["applications"][0]
     args = app["args"]
     b = res.best
-    dep = _deployment(sc, sc.deployments[sc.plan.get("policy_from", sc.compare.get("subject", "pdd"))],
-                      sc.plan.get("link", "inter_dc"), b.chip_a, b.chip_b, b.counts, b.wan_budget_s, res.seq_tokens)
+    template = sc.deployments[sc.plan.get("policy_from", sc.compare.get("subject", "pdd"))]
+    dep = planned_deployment(sc, template, sc.plan.get("link", "inter_dc"), b.chip_a, b.chip_b, b.counts,
+                             b.wan_budget_s, res.seq_tokens)
     pol = dep.policy
     args["policy"].update({"pipelines": list(pol.pipelines), "wan_budget_s": pol.wan_budget_s,
                            "handoff_token_threshold": pol.handoff_token_threshold,
@@ -307,7 +310,8 @@ def graph_yaml(sc: Scenario, res: PlanResult, template_path: str | Path) -> str:
     args["sites"].update({"prefill_replicas": b.counts["prefill"], "relay_replicas": b.counts["relay"],
                           "main_decode_replicas": b.counts["main_decode"]})
     ls = sc.links[sc.plan.get("link", "inter_dc")]
-    args["link"] = {"preset": ls.preset, **{k: (list(v) if isinstance(v, tuple) else v) for k, v in ls.overrides}}
+    args["link"] = {"preset": ls.link.preset,
+                    **{k: (list(v) if isinstance(v, tuple) else v) for k, v in ls.link.overrides}}
     if sc.plan.get("model_path"):
         args["model"]["path"] = sc.plan["model_path"]
     # the planned counts are fixed: each planned deployment's entry says `num_replicas` (and drops the

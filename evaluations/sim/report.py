@@ -1,5 +1,5 @@
 """The report's comparison: SLA goodput and BCR per deployment, latency at a common load,
-the headline ratios beside PDD.md's, and the bathtub curve (benefit vs hit rate)."""
+the headline ratios beside the report's (docs/pdd.md), and the bathtub curve (benefit vs hit rate)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def goodput_of(sc: Scenario, dep: DeploymentSpec, hit: float | None = None, hori
                        int(iterations or g.get("iterations", 7)))
 
 
-def _chips(sc: Scenario, dep: DeploymentSpec) -> str:
+def chips_label(sc: Scenario, dep: DeploymentSpec) -> str:
     roles = dep.roles()
     short = {"prefill": "P", "relay": "RLD", "main_decode": "MD"}
     return " + ".join(f"{roles[k].count} {roles[k].chip} {v}" for k, v in short.items() if k in roles)
@@ -76,7 +76,7 @@ def run_report(sc: Scenario, progress: bool = True) -> dict[str, Any]:
     for name, dep in sc.deployments.items():
         g = goodput_of(sc, dep, on_probe=(bar.update if bar is not None else None))
         cost = sc.cost_per_hour(dep)
-        rows[name] = {"chips": _chips(sc, dep), "cost_per_hour": cost, "goodput_rps": g.rate,
+        rows[name] = {"chips": chips_label(sc, dep), "cost_per_hour": cost, "goodput_rps": g.rate,
                       "bcr": g.rate / cost, "probes": g.probes}
     if bar is not None:
         bar.close()
@@ -241,7 +241,7 @@ def run_trace(sc: Scenario, trace: str | None = None, limit: int | None = None, 
         wl = build_workload(dataclasses.replace(sc.workload, kind="trace", trace_path=trace or sc.workload.trace_path), **wl_kw)
         s, sim = simulate(sc, dep, wl, progress=progress)
         s["cost_per_hour"] = sc.cost_per_hour(dep)
-        s["chips"] = _chips(sc, dep)
+        s["chips"] = chips_label(sc, dep)
         rows[name] = s
         total += sim.wall_s
     return {"rows": rows, "label": wl0.label, "sim_seconds": total, "requests": len(wl0.requests),
@@ -267,8 +267,8 @@ def format_trace(res: dict[str, Any]) -> str:
 def prefill_tail_curve(sc: Scenario, hits: list[float], modes: tuple[str, ...] = ("alone", "packed", "padded"),
                        n: int = 16, deployment: str | None = None) -> dict[str, Any]:
     """One saturated Prefill instance (the real PrefillInstance scheduler): n identical requests at
-    a constant hit arrive together; throughput = n / makespan. Isolates PDD.md's tail chunks."""
-    from evaluations.sim.simulator import _PJob
+    a constant hit arrive together; throughput = n / makespan. Isolates docs/pdd.md's tail chunks."""
+    from evaluations.sim.instances import PrefillJob
     from evaluations.sim.workload import SimRequest
 
     dep = sc.deployments[deployment or sc.compare.get("subject", "pdd")]
@@ -281,10 +281,10 @@ def prefill_tail_curve(sc: Scenario, hits: list[float], modes: tuple[str, ...] =
             sim = Simulation(sc2, dep, Workload([], [], sc.workload.block_size))
             p = sim.ps[0]
             done: list[float] = []
-            sim._prefill_done = lambda job, inst, done=done, sim=sim: done.append(sim.now)  # type: ignore[method-assign]
+            sim.prefill_done = lambda job, inst, done=done, sim=sim: done.append(sim.now)  # type: ignore[method-assign]
             hit = min(int(h * L), L - 1)
             for i in range(n):
-                p.submit(_PJob(SimRequest(i, 0.0, L, 2, ()), L - hit, hit))
+                p.submit(PrefillJob(SimRequest(i, 0.0, L, 2, ()), L - hit, hit))
             sim.run()
             span = max(done)
             rows.append({"hit": h, "req_s": n / span, "uncached_tok_s": n * (L - hit) / span,

@@ -3,14 +3,9 @@ driven by pdd_serve's own policy: `choose_pipeline`, `pick_md`, `plan_handoff`, 
 (and, through choose_pipeline, `is_anomalous`) decide exactly as the Router's orchestrator does;
 KV transfers take `LinkModel.transfer_time`; P's prefix cache and MD's DRC are `RadixCache`s.
 
-Instances:
-- Prefill: a FIFO of jobs run as chunked forwards (a token budget per forward, short prompts
-  packed together, a long prompt's tail chunk alone / packed / padded per the scheduler spec).
-- Decode (RLD, MD, or the same-DC decode pool): continuous batching. Between two membership
-  changes the step times form a closed-form series (costmodel.StepSeries), so an instance wakes
-  only when a sequence finishes or when a join, cancel or extend is waiting for a step boundary.
-  Extends (handoff batches, the final extend, absorbs) run between steps, like pdd_serve's
-  EngineWorker, and stall the batch while they run.
+The pieces: the engine replicas in instances.py (Prefill: chunked forwards; decode: continuous
+batching in closed-form segments), the line in line.py (the LinkModel, a kernel-shaped wire, a
+Prefill replica's shared pacer); here the event loop, the caches and the Router's pipelines.
 """
 
 from __future__ import annotations
@@ -20,20 +15,14 @@ import heapq
 import itertools
 import math
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from evaluations.sim.config import ChipSpec, DeploymentSpec, ModelSpec, Scenario
+from evaluations.sim.config import DeploymentSpec, Scenario
+from evaluations.sim.instances import DecodeInstance, Member, PrefillInstance, PrefillJob
+from evaluations.sim.line import SharedPacer, line_model
 from evaluations.sim.workload import SimRequest, Workload
-from pdd_serve.emulation.costmodel import (
-    StepSeries,
-    decode_series,
-    kv_capacity_tokens,
-    kv_copy_time,
-    prefill_time,
-)
+from pdd_serve.emulation.costmodel import ChipSpec, ModelShape, kv_copy_time, prefill_time
 from pdd_serve.engine.kv import blocks_needed
 from pdd_serve.engine.radix_cache import RadixCache
 from pdd_serve.policy import (
@@ -57,262 +46,6 @@ def _slowed(c: ChipSpec, k: float) -> ChipSpec:
         return c
     return dataclasses.replace(c, peak_tflops=c.peak_tflops / k, mem_bw_gb_s=c.mem_bw_gb_s / k,
                                forward_overhead_ms=c.forward_overhead_ms * k)
-
-
-# ---------------------------------------------------------------- prefill
-
-
-@dataclass(slots=True, eq=False)
-class _PJob:
-    req: SimRequest
-    total: int  # uncached prompt tokens
-    ctx0: int  # cached tokens before them
-    done: int = 0  # tokens scheduled so far
-    t_first_chunk: float = -1.0
-
-
-class PrefillInstance:
-    def __init__(self, sim: Simulation, idx: int, chip: ChipSpec, n_chips: int, cache: RadixCache, cache_bytes: float):
-        self.sim, self.idx, self.chip, self.n = sim, idx, chip, n_chips
-        self.cache, self.cache_bytes = cache, cache_bytes
-        self.q: deque[_PJob] = deque()
-        self.busy = False
-        self.backlog = 0  # queued uncached tokens: the router's load signal
-        self.forwards = 0
-        self.busy_s = 0.0
-        self.pacer: SharedPacer | None = None  # pdd_serve's per-Prefill link pacer, when modelled
-        self.bw: BandwidthEstimator | None = None  # its live estimate of the line (with the pacer)
-        self.sending = 0  # KV senders running (one per request with an MD target, from the prefill call)
-        self.started = 0
-
-    def submit(self, job: _PJob) -> None:
-        self.q.append(job)
-        self.backlog += job.total
-        if not self.busy:
-            self._start()
-
-    def _form(self) -> tuple[list[tuple[_PJob, int, int]], list[tuple[int, int]]]:
-        """The next forward's pieces (job, new tokens, context) and what they cost (padding)."""
-        budget = self.sim.chunk
-        mode = self.sim.tail_mode
-        pieces: list[tuple[_PJob, int, int]] = []
-        q = self.q
-        while q and budget > 0:
-            job = q[0]
-            rem = job.total - job.done
-            ctx = job.ctx0 + job.done
-            if rem >= budget:  # a full chunk (or the rest of the budget): the forward is full
-                pieces.append((job, budget, ctx))
-                job.done += budget
-                if job.done == job.total:
-                    q.popleft()
-                break
-            if job.done > 0 and mode != "packed":  # a tail chunk: never batched with others
-                if pieces:
-                    break
-                q.popleft()
-                job.done = job.total
-                pieces.append((job, rem, ctx))
-                cost = [(self.sim.chunk, ctx)] if mode == "padded" else [(rem, ctx)]
-                return pieces, cost
-            q.popleft()
-            job.done = job.total
-            pieces.append((job, rem, ctx))
-            budget -= rem
-            if not self.sim.batch_requests:
-                break
-        return pieces, [(n, c) for _, n, c in pieces]
-
-    def _start(self) -> None:
-        pieces, cost = self._form()
-        if not pieces:
-            self.busy = False
-            return
-        self.busy = True
-        dt = prefill_time(self.chip, self.sim.model, self.n, cost)
-        self.forwards += 1
-        self.busy_s += dt
-        self.sim.at(self.sim.now + dt, self._done, pieces)
-
-    def _done(self, pieces: list[tuple[_PJob, int, int]]) -> None:
-        now = self.sim.now
-        for job, n, ctx in pieces:
-            self.backlog -= n
-            if job.t_first_chunk < 0:
-                job.t_first_chunk = now
-                self.sim._stream_start(job, self)
-            if ctx + n == job.ctx0 + job.total:
-                self.sim._prefill_done(job, self)
-        self._start()
-
-
-# ---------------------------------------------------------------- decode
-
-
-@dataclass(slots=True, eq=False)
-class _Member:
-    req: SimRequest
-    remaining: int  # tokens this instance is to generate
-    ctx: int  # KV tokens when it joins
-    on_join: Callable[[_Member, float], None] | None = None
-    on_finish: Callable[[_Member, float], None] | None = None
-    join_step: int = -1
-    finish_step: int = -1
-    joined: bool = False
-    cancelled: bool = False
-    done: bool = False
-
-
-class DecodeInstance:
-    def __init__(self, sim: Simulation, idx: int, role: str, chip: ChipSpec, n_chips: int, max_batch: int,
-                 cache: RadixCache | None = None, cache_bytes: float = 0.0):
-        self.sim, self.idx, self.role, self.chip, self.n = sim, idx, role, chip, n_chips
-        self.cap_tokens = kv_capacity_tokens(chip, sim.model, n_chips, sim.sc.scheduler.mem_reserve_fraction)
-        self.max_batch = max_batch
-        self.cache, self.cache_bytes = cache, cache_bytes
-        self.members: dict[int, _Member] = {}
-        self.fin: list[tuple[int, int]] = []  # (finish step, rid); stale entries skipped
-        self.step = 0  # steps completed when the current segment started
-        self.seg_t0 = 0.0
-        self.series: StepSeries | None = None
-        self.ctx = 0  # KV tokens of the members at seg_t0
-        self.reserved = 0  # prompt + output tokens reserved by members (admission control)
-        self.waiting: deque[_Member] = deque()
-        self.ops: deque[tuple[float, Callable[..., None], tuple]] = deque()
-        self.busy_until = 0.0  # end of the running block of extends
-        self.wake_t = INF
-        self.ver = 0
-        self.assigned = 0  # requests routed here, not yet released (MDStatus.running)
-        self.tokens = 0
-        self.peak_batch = 0
-
-    # ---- requests from the simulation
-
-    def join(self, m: _Member) -> None:
-        if m.cancelled:
-            return
-        self.waiting.append(m)
-        self._poke()
-
-    def op(self, cost: float, cb: Callable[..., None], *args: Any) -> None:
-        self.ops.append((cost, cb, args))
-        self._poke()
-
-    def cancel(self, m: _Member) -> None:
-        """Stop generating for m (the handoff's cut); it leaves the batch at the next boundary."""
-        m.cancelled = True
-        if m.joined and not m.done:
-            self._poke()
-
-    def tokens_by(self, m: _Member, t: float) -> int:
-        if not m.joined:
-            return 0
-        if m.done:
-            return m.remaining
-        steps = self.step - m.join_step
-        if self.series is not None and t > self.seg_t0:
-            steps += self.series.steps_within(t - self.seg_t0, self._seg_cap())
-        return min(m.remaining, max(0, steps))
-
-    # ---- the engine loop
-
-    def _seg_cap(self) -> int:
-        while self.fin:
-            fs, rid = self.fin[0]
-            m = self.members.get(rid)
-            if m is not None and not m.cancelled and m.finish_step == fs:
-                return fs - self.step
-            heapq.heappop(self.fin)
-        return 1 << 30  # only cancelled members left: they leave at the next boundary
-
-    def _poke(self) -> None:
-        now = self.sim.now
-        if self.series is None or now < self.seg_t0:
-            tb = max(now, self.busy_until, self.seg_t0 if self.series is not None else now)
-        else:
-            dt = now - self.seg_t0
-            j = self.series.steps_within(dt, self._seg_cap())
-            done = self.series.time(j)
-            tb = self.seg_t0 + (done if done >= dt - 1e-12 else self.series.time(j + 1))
-        if tb < self.wake_t - 1e-12:
-            self._schedule(tb)
-
-    def _schedule(self, t: float) -> None:
-        self.ver += 1
-        self.wake_t = t
-        self.sim.at(t, self._wake, self.ver)
-
-    def _wake(self, ver: int) -> None:
-        if ver != self.ver:
-            return
-        self.wake_t = INF
-        now = self.sim.now
-        if now < self.busy_until:  # woken inside a block of extends: resume at its end
-            self._schedule(self.busy_until)
-            return
-        # 1. advance the running segment to this boundary
-        if self.series is not None and now >= self.seg_t0:
-            j = self.series.steps_within(now - self.seg_t0, self._seg_cap())
-            self.step += j
-            self.ctx += len(self.members) * j
-            self.tokens += len(self.members) * j
-        self.series = None
-        # 2. finished and cancelled members leave
-        while self.fin and self.fin[0][0] <= self.step:
-            fs, rid = heapq.heappop(self.fin)
-            m = self.members.get(rid)
-            if m is None or m.cancelled or m.finish_step != fs:
-                continue
-            self._remove(m)
-            if m.on_finish is not None:
-                m.on_finish(m, now)
-        for m in [m for m in self.members.values() if m.cancelled]:
-            self._remove(m)
-        # 3. queued extends run now, back to back; decoding resumes after them
-        t = now
-        while self.ops:
-            cost, cb, args = self.ops.popleft()
-            t += cost
-            self.sim.at(t, cb, *args)
-        self.busy_until = t
-        # 4. admission (FIFO): batch cap and KV memory
-        joined: list[_Member] = []
-        while self.waiting:
-            m = self.waiting[0]
-            if m.cancelled:
-                self.waiting.popleft()
-                continue
-            need = m.ctx + m.remaining
-            if self.members and (len(self.members) >= self.max_batch or self.reserved + need > self.cap_tokens):
-                break
-            self.waiting.popleft()
-            m.joined, m.join_step, m.finish_step = True, self.step, self.step + m.remaining
-            self.members[m.req.rid] = m
-            heapq.heappush(self.fin, (m.finish_step, m.req.rid))
-            self.ctx += m.ctx
-            self.reserved += need
-            joined.append(m)
-        self.peak_batch = max(self.peak_batch, len(self.members))
-        # 5. the next segment
-        self.seg_t0 = t
-        if self.members:
-            self.series = decode_series(self.chip, self.sim.model, self.n, len(self.members), self.ctx)
-            self._schedule(t + self.series.time(self._seg_cap()))
-            first = t + self.series.time(1)  # a joiner's first token comes out of the segment's first step
-            for m in joined:
-                if m.on_join is not None:
-                    m.on_join(m, first)
-        elif t > now and (self.waiting or self.ops):
-            self._schedule(t)
-
-    def _remove(self, m: _Member) -> None:
-        del self.members[m.req.rid]
-        m.done = True
-        made = self.step - m.join_step
-        if m.cancelled:
-            m.remaining = min(m.remaining, made)  # what was generated before the cut is what counts
-        self.ctx -= m.ctx + made
-        self.reserved -= m.ctx + m.finish_step - m.join_step
 
 
 # ---------------------------------------------------------------- the Router's view of an MD's DRC
@@ -343,118 +76,6 @@ class DRCLog:
         return n
 
 
-# ---------------------------------------------------------------- a kernel-shaped wire
-
-
-class WireCap:
-    """The LinkModel's pacing over a kernel-shaped wire (tbf): a stream gets the model's jittered
-    rate, never more than the wire's goodput. Same interface as the LinkModel calls the simulator
-    makes (the model itself is used unchanged underneath)."""
-
-    def __init__(self, link: Any, wire_bytes_s: float) -> None:
-        self.link, self.cap = link, wire_bytes_s
-        self.config = link.config
-        self.bandwidth_bps = link.bandwidth_bps
-
-    def latency_at(self, t: float) -> float:
-        return self.link.latency_at(t)
-
-    def _segments(self, t: float):  # (start, end, bytes/s) per jitter epoch from t on
-        e = self.config.epoch_s
-        while True:
-            end = (math.floor(t / e) + 1) * e
-            yield t, end, min(self.link.capacity_bytes(t, end) / (end - t), self.cap)
-            t = end
-
-    def capacity_bytes(self, t0: float, t1: float) -> float:
-        total = 0.0
-        for a, b, rate in self._segments(t0):
-            if a >= t1:
-                return total
-            total += rate * (min(b, t1) - a)
-        return total
-
-    def arrival_end(self, t: float, nbytes: float) -> float:
-        if nbytes <= 0:
-            return t
-        for a, b, rate in self._segments(t):
-            if rate * (b - a) >= nbytes:
-                return a + nbytes / rate
-            nbytes -= rate * (b - a)
-        raise AssertionError("unreachable")
-
-    def transfer_time(self, nbytes: int, at: float = 0.0) -> float:
-        return self.arrival_end(at + self.latency_at(at), nbytes) - at
-
-
-# ---------------------------------------------------------------- a Prefill replica's pacer
-
-
-class SharedPacer:
-    """pdd_serve's per-Prefill LinkModel, shared by the replica's concurrent Flight streams. Each
-    stream books one quantum (`PACE_QUANTUM_BYTES`) at a time, chained on the last booked arrival,
-    so concurrent streams take turns quantum by quantum: processor sharing of the link's (jittered)
-    rate among STREAMS, not FIFO. A push runs on up to `streams` parallel streams, each sending
-    one batch (`unit_bytes`) at a time, so a transfer of one batch has one stream's share and a
-    large one up to `streams` shares (a small delta behind a cold push gets 1/3, not 1/2, at 2
-    streams). Fluid model: every active flow gets capacity x its streams / all streams."""
-
-    def __init__(self, sim: Simulation, link: Any, streams: int = 1, unit_bytes: float | None = None) -> None:
-        self.sim, self.link = sim, link
-        self.streams, self.unit = max(1, streams), unit_bytes
-        self.done_cb: dict[int, Callable[[float], None]] = {}
-        self.weight: dict[int, int] = {}
-        self.heap: list[tuple[float, int]] = []  # (service per stream at which the flow is done, rid)
-        self.served = 0.0  # bytes every stream active since the start has received
-        self.t = 0.0
-        self.ver = 0
-
-    def streams_for(self, nbytes: float) -> int:
-        if self.unit is None or self.unit <= 0:
-            return self.streams
-        return max(1, min(self.streams, math.ceil(nbytes / self.unit)))
-
-    def backlog(self) -> list[int]:
-        """Bytes left of each flow on the line (what the real Router's ledger estimates)."""
-        self._advance(self.sim.now)
-        return [max(0, int((done - self.served) * self.weight[rid])) for done, rid in self.heap]
-
-    def _advance(self, now: float) -> None:
-        if self.weight and now > self.t:
-            self.served += self.link.capacity_bytes(self.t, now) / sum(self.weight.values())
-        self.t = max(self.t, now)
-
-    def add(self, rid: int, nbytes: int, on_done: Callable[[float], None]) -> None:
-        now = self.sim.now
-        if nbytes <= 0:
-            on_done(now)
-            return
-        self._advance(now)
-        w = self.streams_for(nbytes)
-        self.done_cb[rid], self.weight[rid] = on_done, w
-        heapq.heappush(self.heap, (self.served + nbytes / w, rid))
-        self._schedule()
-
-    def _schedule(self) -> None:
-        self.ver += 1
-        if self.heap:
-            left = (self.heap[0][0] - self.served) * sum(self.weight.values())
-            self.sim.at(self.link.arrival_end(self.t, max(0.0, left)), self._tick, self.ver)
-
-    def _tick(self, ver: int) -> None:
-        if ver != self.ver:
-            return
-        self._advance(self.sim.now)
-        done = []
-        while self.heap and self.heap[0][0] <= self.served * (1 + 1e-12) + 1e-6:
-            rid = heapq.heappop(self.heap)[1]
-            del self.weight[rid]
-            done.append(self.done_cb.pop(rid))
-        self._schedule()
-        for cb in done:
-            cb(self.sim.now)
-
-
 # ---------------------------------------------------------------- the simulation
 
 
@@ -463,7 +84,7 @@ class Simulation:
 
     def __init__(self, sc: Scenario, dep: DeploymentSpec, wl: Workload, progress: bool = False):
         self.sc, self.dep, self.wl = sc, dep, wl
-        self.model: ModelSpec = sc.model
+        self.model: ModelShape = sc.model
         self.pol = dep.policy
         sched = sc.scheduler
         self.chunk, self.tail_mode = sched.prefill_chunk_tokens, sched.tail_chunk
@@ -472,7 +93,7 @@ class Simulation:
         self.block_bytes = self.bs * self.model.kv_bytes_per_token
         ls = sc.links[dep.link]
         self.cross = ls.cross_site
-        self.link = ls.build(self.model.kv_bytes_per_token) if self.cross else None
+        self.link = line_model(ls, self.model.kv_bytes_per_token) if self.cross else None
         bw = self.link.bandwidth_bps if self.link is not None else None
         self.lat = self.link.config.one_way_latency_s if self.link is not None else 0.0  # KV's
         self.ctl = self.lat if ls.control_latency else 0.0  # every Router <-> MD message's (crosssite.py)
@@ -503,7 +124,8 @@ class Simulation:
                    for i in range(rp.instances)]
         if self.link is not None and ls.per_prefill_bucket:
             for p in self.ps:  # one pacer (one LinkModel) per Prefill replica, as serve/prefill.py has
-                p.pacer = SharedPacer(self, ls.build(self.model.kv_bytes_per_token), ls.streams, ls.stream_unit_bytes)
+                p.pacer = SharedPacer(self, line_model(ls, self.model.kv_bytes_per_token), ls.streams,
+                                      ls.stream_unit_bytes)
                 p.bw = BandwidthEstimator(initial_bps=bw)
         self.senders: dict[int, tuple[float, bool, int]] = {}  # rid -> (sender start, alone, start count)
         self.ledger: dict[int, tuple[int, float]] = {}  # the Router's transfers on the line: rid -> (bytes, since)
@@ -520,7 +142,7 @@ class Simulation:
         mean_len = sum(r.prompt + r.output for r in wl.requests) / max(1, len(wl.requests))
         self.md_capacity = max(1, min(sched.decode_max_batch, int(self.mds[0].cap_tokens // max(1.0, mean_len))))
         self.relay_running = 0  # the orchestrator's counter: relay streams open
-        self.relay_member: dict[int, _Member] = {}
+        self.relay_member: dict[int, Member] = {}
         self.followers: dict[int, list[SimRequest]] = {}  # rid -> the session turns sent after it
         self.now = 0.0
         self.heap: list[tuple[float, int, Callable[..., None], tuple]] = []
@@ -674,7 +296,7 @@ class Simulation:
             p.sending += 1
             p.started += 1
             self.senders[r.rid] = (self.now, p.sending == 1, p.started)
-        p.submit(_PJob(r, r.prompt - r.hit_p, r.hit_p))
+        p.submit(PrefillJob(r, r.prompt - r.hit_p, r.hit_p))
 
     def _pick_prefill(self, r: SimRequest) -> PrefillInstance:
         """Not in policy.py (pdd_serve has one Prefill deployment behind Serve's balancer): at
@@ -696,7 +318,7 @@ class Simulation:
         here: those blocks are in `wan_bytes` already."""
         return max(0, r.planned_blocks - r.real_blocks) * self.block_bytes if r.index_miss else 0
 
-    def _kv_arrival(self, r: SimRequest, job: _PJob, p: PrefillInstance) -> float:
+    def _kv_arrival(self, r: SimRequest, job: PrefillJob, p: PrefillInstance) -> float:
         """When the last KV block MD lacks lands at MD. Blocks stream as chunks finish (from the
         first chunk on), the last chunk can't leave before the prefill ends, and the line queues
         transfers (FIFO on its aggregate capacity)."""
@@ -718,7 +340,7 @@ class Simulation:
             end = max(end, self.line_free + self.lat)
         return end
 
-    def _stream_start(self, job: _PJob, p: PrefillInstance) -> None:
+    def stream_start(self, job: PrefillJob, p: PrefillInstance) -> None:
         """P's first chunk is done: with a per-Prefill pacer, the KV stream to MD starts sharing it."""
         r = job.req
         if p.pacer is None or r.pipeline == "P-RLD":
@@ -769,7 +391,7 @@ class Simulation:
             r.pipeline, r.reason = redo.pipeline, f"late (the view was stale): {redo.reason}"
             self.late_switches += 1
 
-    def _prefill_done(self, job: _PJob, p: PrefillInstance) -> None:
+    def prefill_done(self, job: PrefillJob, p: PrefillInstance) -> None:
         r, now = job.req, self.now
         r.t_prefill_done = r.t_first_prefill = now
         if p.bw is not None and p.bw.bps:  # the PrefillResult carries P's live view of the line
@@ -799,18 +421,18 @@ class Simulation:
             rl = min(self.relays, key=lambda x: (x.assigned, x.idx))
             rl.assigned += 1
             r.relay = rl.idx
-            m = _Member(r, r.output - 1, r.prompt + 1, self._relay_joined, self._relay_finished)
+            m = Member(r, r.output - 1, r.prompt + 1, self._relay_joined, self._relay_finished)
             self.relay_member[r.rid] = m
             copy = kv_copy_time(r.prompt * self.model.kv_bytes_per_token, p.chip, rl.chip)
             self.at(now + copy, rl.join, m)
 
     # ---- relay
 
-    def _relay_joined(self, m: _Member, t: float) -> None:
+    def _relay_joined(self, m: Member, t: float) -> None:
         if m.req.t_first_decoder < 0:
             m.req.t_first_decoder = t
 
-    def _relay_finished(self, m: _Member, t: float) -> None:
+    def _relay_finished(self, m: Member, t: float) -> None:
         r = m.req
         r.rld_tokens = m.remaining
         self._relay_release(r)
@@ -822,16 +444,16 @@ class Simulation:
 
     # ---- main decode
 
-    def _md_member(self, r: SimRequest, remaining: int, ctx: int) -> _Member:
-        return _Member(r, remaining, ctx, self._md_joined, self._md_finished)
+    def _md_member(self, r: SimRequest, remaining: int, ctx: int) -> Member:
+        return Member(r, remaining, ctx, self._md_joined, self._md_finished)
 
-    def _md_joined(self, m: _Member, t: float) -> None:
+    def _md_joined(self, m: Member, t: float) -> None:
         r = m.req
         if r.t_first_decoder < 0:
             r.t_first_decoder = t + self.ctl  # MD's tokens reach the client through the router at A
         self.ledger.pop(r.rid, None)  # MD streams: its KV landed (the Router's ledger lets it go)
 
-    def _md_finished(self, m: _Member, t: float) -> None:
+    def _md_finished(self, m: Member, t: float) -> None:
         r = m.req
         r.md_tokens += m.remaining
         self._md_release(r)

@@ -1,7 +1,7 @@
 """Sim vs real: replay a real run's requests through the simulator and compare.
 
     python -m evaluations.sim.validate RECORDS [--scenario cpu_validate] [--graph pdd] [--sla-ttft 1 --sla-tpot 0.1]
-    python -m evaluations.sim.validate --calibrate          # measure the CPU engine, fit cpu_small.yaml
+    python -m evaluations.sim.validate --calibrate          # measure the CPU engine, refit the chip cpu-small
     python -m evaluations.sim.validate --make-synthetic OUT.parquet   # a record file to test the plumbing
 
 RECORDS: Parquet / CSV / JSON / JSONL, one row per request, the columns of
@@ -27,10 +27,15 @@ from typing import Any
 
 import numpy as np
 
-from evaluations.sim.config import SIM_DIR, ChipSpec, ModelSpec, Scenario, SimConfigError, load_scenario
+from evaluations.sim.config import SIM_DIR, Scenario, ScenarioError, load_scenario
+from evaluations.sim.emulated import EmulatedScenario, sim_scenario_for
+from evaluations.sim.emulated import load_scenario as load_emulated
 from evaluations.sim.workload import SimRequest, Workload
+from pdd_serve.emulation.costmodel import CATALOG_PATH, ChipSpec, ModelShape
 
-CPU_CATALOG = SIM_DIR / "cpu_small.yaml"
+# the last calibration's measurements and fit; the chip itself is the catalog's cpu-small
+# (pdd_serve/emulation/costmodel.yaml), where a new fit is copied by hand
+CPU_FIT = SIM_DIR / "cpu_small.yaml"
 REQUIRED = ("prompt_tokens", "ttft_s")
 
 
@@ -42,7 +47,7 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
     if path.is_dir():  # a `pdd compare` record directory (.pdd/eval/pdd-compare-*/)
         path = path / "requests.parquet"
     if not path.is_file():
-        raise SimConfigError(f"{path}: no such record file")
+        raise ScenarioError(f"{path}: no such record file")
     suf = path.suffix.lower()
     if suf == ".parquet":
         import pyarrow.parquet as pq
@@ -55,14 +60,14 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
         text = path.read_text().strip()
         rows = json.loads(text) if text.startswith("[") else [json.loads(x) for x in text.splitlines() if x.strip()]
     else:
-        raise SimConfigError(f"{path}: unknown record format {suf!r} (parquet, csv, json, jsonl)")
+        raise ScenarioError(f"{path}: unknown record format {suf!r} (parquet, csv, json, jsonl)")
     if not rows:
-        raise SimConfigError(f"{path}: holds no records")
+        raise ScenarioError(f"{path}: holds no records")
     missing = [c for c in REQUIRED if c not in rows[0]]
     if missing:
-        raise SimConfigError(f"{path}: missing column(s) {', '.join(missing)}; expected RequestRecord.as_row() columns")
+        raise ScenarioError(f"{path}: missing column(s) {', '.join(missing)}; expected RequestRecord.as_row() columns")
     if "t_send_s" not in rows[0] and "arrival_s" not in rows[0]:
-        raise SimConfigError(f"{path}: needs an arrival column (t_send_s or arrival_s)")
+        raise ScenarioError(f"{path}: needs an arrival column (t_send_s or arrival_s)")
     return rows
 
 
@@ -169,7 +174,7 @@ def with_link(sc: Scenario, link: str) -> Scenario:
     import dataclasses
 
     if link not in sc.links:
-        raise SimConfigError(f"--link {link!r}: not a link of {sc.path} (has {', '.join(sc.links)})")
+        raise ScenarioError(f"--link {link!r}: not a link of {sc.path} (has {', '.join(sc.links)})")
     deps = {n: dataclasses.replace(d, link=link) if sc.links[d.link].cross_site else d
             for n, d in sc.deployments.items()}
     return dataclasses.replace(sc, deployments=deps)
@@ -182,10 +187,11 @@ def with_link_seed(sc: Scenario, graph: str, seed: int, phase_s: float = 0.0) ->
 
     name = sc.deployments[graph].link
     ls = sc.links[name]
-    ov = tuple((k, v) for k, v in ls.overrides if k not in ("seed", "phase_s")) + (("seed", seed),)
+    ov = tuple((k, v) for k, v in ls.link.overrides if k not in ("seed", "phase_s")) + (("seed", seed),)
     if phase_s > 0:
         ov += (("phase_s", phase_s),)
-    return dataclasses.replace(sc, links={**sc.links, name: dataclasses.replace(ls, overrides=ov)})
+    link = dataclasses.replace(ls.link, overrides=ov)
+    return dataclasses.replace(sc, links={**sc.links, name: dataclasses.replace(ls, link=link)})
 
 
 def recorded_link(run: list[dict[str, Any]], request_overhead_s: float = 0.0) -> tuple[int, float] | None:
@@ -327,7 +333,7 @@ def validate(sc: Scenario, rows: list[dict[str, Any]], ttft_s: float, tpot_s: fl
         if graphs and g not in graphs:
             continue
         if g not in sc.deployments:
-            raise SimConfigError(f"graph {g!r} of the records has no deployment in {sc.path} "
+            raise ScenarioError(f"graph {g!r} of the records has no deployment in {sc.path} "
                                  f"(has {', '.join(sc.deployments)}); pass --graph")
         meas = measured(grows, ttft_s, tpot_s)
         pred = predicted(sc, g, grows, ttft_s, tpot_s, draws, sessions)
@@ -335,6 +341,21 @@ def validate(sc: Scenario, rows: list[dict[str, Any]], ttft_s: float, tpot_s: fl
         out[g] = {"requests": len(grows), "repeats": len(runs_of(grows)), "measured": meas, "predicted": pred,
                   "rel_error": err}
     return out
+
+
+def simulate_records(sc: EmulatedScenario, graphs: list[Any], rows: list[dict[str, Any]], out_dir: Path,
+                     draws: int = 3, request_overhead_s: float = 0.0) -> dict[str, Any]:
+    """Replay an emulated run's measured requests (arrivals, lengths, prefix hits) through the
+    simulator on the same scenario (`pdd compare --emulate`'s sim_* figures); per graph:
+    predicted vs measured TTFT P50/P90 and goodput, relative errors. `request_overhead_s`: the
+    serving software's time per request in emulated seconds (measured on same-DC requests that
+    were alone: compare.software_overhead_real_s, on the emulated clock), which the chips' cost
+    model cannot know."""
+    import dataclasses
+
+    sim = sim_scenario_for(sc, graphs, out_dir)
+    sim = dataclasses.replace(sim, scheduler=dataclasses.replace(sim.scheduler, request_overhead_s=request_overhead_s))
+    return validate(sim, rows, sc.sla.ttft_s, sc.sla.tpot_s, draws=draws)
 
 
 def _rel(pred: float, meas: float) -> float:
@@ -417,7 +438,7 @@ def _engine_timings(repeats: int = 5) -> dict[str, list[tuple[Any, float]]]:
     return out
 
 
-def _predict(chip: ChipSpec, m: ModelSpec, kind: str, x: int) -> float:
+def _predict(chip: ChipSpec, m: ModelShape, kind: str, x: int) -> float:
     from pdd_serve.emulation.costmodel import decode_step_time, prefill_time
 
     if kind == "prefill":
@@ -432,7 +453,7 @@ def _predict(chip: ChipSpec, m: ModelSpec, kind: str, x: int) -> float:
     return prefill_time(chip, m, 1, [(x, 256)])
 
 
-def fit_chip(timings: dict[str, list[tuple[Any, float]]], m: ModelSpec, base: ChipSpec) -> tuple[ChipSpec, float]:
+def fit_chip(timings: dict[str, list[tuple[Any, float]]], m: ModelShape, base: ChipSpec) -> tuple[ChipSpec, float]:
     """Least squares in log time over (peak FLOP/s, bandwidth, per-forward overhead), mfu = mbu = 1."""
     from scipy.optimize import minimize
 
@@ -454,7 +475,9 @@ def fit_chip(timings: dict[str, list[tuple[Any, float]]], m: ModelSpec, base: Ch
     return chip(best.x), math.sqrt(best.fun / len(pts))
 
 
-def calibrate(out: Path = CPU_CATALOG, repeats: int = 5, scenario: str = "cpu_validate") -> dict[str, Any]:
+def calibrate(out: Path = CPU_FIT, repeats: int = 5, scenario: str = "cpu_validate") -> dict[str, Any]:
+    """Time the CPU engine, fit the catalog's cpu-small to it and write the fit with its
+    measurements to `out` (the catalog is not rewritten: copy the `fitted` entry there)."""
     import yaml
 
     sc = load_scenario(scenario)
@@ -466,8 +489,10 @@ def calibrate(out: Path = CPU_CATALOG, repeats: int = 5, scenario: str = "cpu_va
             "# machine's CPU, as one replica sees it. FITTED, not assumed: `python -m evaluations.sim.validate\n"
             f"# --calibrate` timed the engine directly on {time.strftime('%Y-%m-%d %H:%M')} (min of {repeats}) and fitted\n"
             "# peak_tflops, mem_bw_gb_s and forward_overhead_ms (mfu = mbu = 1) by least squares in log time;\n"
-            f"# rms log error {rmse:.3f}. mem_gb = weights + graphs/*.yaml's kv_cache_bytes (256 MiB).\n")
-    doc = {"chips": {"cpu-small": {"description": base.description, "peak_tflops": round(chip.peak_tflops, 6),
+            f"# rms log error {rmse:.3f}. mem_gb = weights + graphs/*.yaml's kv_cache_bytes (256 MiB).\n"
+            "# The chip the simulator uses is pdd_serve/emulation/costmodel.yaml's cpu-small: `fitted` is\n"
+            "# what this calibration would put there.\n")
+    doc = {"fitted": {"cpu-small": {"description": base.description, "peak_tflops": round(chip.peak_tflops, 6),
                                    "mem_gb": base.mem_gb, "mem_bw_gb_s": round(chip.mem_bw_gb_s, 4),
                                    "interconnect_gb_s": base.interconnect_gb_s, "mfu": 1.0, "mbu": 1.0,
                                    "forward_overhead_ms": round(chip.forward_overhead_ms, 4),
@@ -550,18 +575,20 @@ def main(argv: list[str] | None = None) -> int:
                     help="replay every cross-site graph on this scenario link (e.g. wan_shaped for a "
                          "`--shaped-link` record; default: each deployment's own)")
     ap.add_argument("--tolerance", type=float, default=0.2, help="relative error flagged (default: %(default)s)")
-    ap.add_argument("--calibrate", action="store_true", help="time the CPU engine and fit cpu_small.yaml")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="time the CPU engine and fit the chip cpu-small (written to cpu_small.yaml)")
     ap.add_argument("--repeats", type=int, default=5, help="calibration repetitions (default: %(default)s)")
     ap.add_argument("--make-synthetic", metavar="OUT", default=None, help="write a synthetic record file and exit")
     args = ap.parse_args(argv)
     try:
         if args.calibrate:
             doc = calibrate(repeats=args.repeats, scenario=args.scenario)
-            c = doc["chips"]["cpu-small"]
+            c = doc["fitted"]["cpu-small"]
             for k, v in doc["measurements"].items():
                 for p in v:
                     print(f"{k:<8}{p['x']:>6}  measured {p['measured_s'] * 1e3:8.2f} ms  fitted {p['fitted_s'] * 1e3:8.2f} ms")
-            print(json.dumps({"calibrated": str(CPU_CATALOG), **c, "fit_rms_log_error": doc["fit_rms_log_error"]}))
+            print(json.dumps({"calibrated": str(CPU_FIT), **c, "fit_rms_log_error": doc["fit_rms_log_error"]}))
+            print(f"copy `fitted` into {CATALOG_PATH}'s cpu-small to simulate with it", file=sys.stderr)
             return 0
         if args.make_synthetic:
             p = make_synthetic(args.make_synthetic, args.scenario)
@@ -570,16 +597,13 @@ def main(argv: list[str] | None = None) -> int:
         if not args.records:
             ap.error("give a record file (or --calibrate / --make-synthetic)")
         if args.emulated:
-            from evaluations.sim.emulated import load_scenario as load_emulated
-            from evaluations.sim.emulated import sim_scenario_for
-
             sc = sim_scenario_for(load_emulated(args.emulated))
         else:
             sc = load_scenario(args.scenario)
         if args.link:
             sc = with_link(sc, args.link)
         if args.draws < 1:
-            raise SimConfigError(f"--draws must be >= 1, got {args.draws}")
+            raise ScenarioError(f"--draws must be >= 1, got {args.draws}")
         if args.ttft_from:
             import dataclasses
 
@@ -592,14 +616,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.fit_platform:
             fit_rows = [r for r in rows if str(r.get("graph") or args.fit_platform) == args.fit_platform]
             if not fit_rows or args.fit_platform not in sc.deployments:
-                raise SimConfigError(f"--fit-platform {args.fit_platform}: no such graph in the records/scenario")
+                raise ScenarioError(f"--fit-platform {args.fit_platform}: no such graph in the records/scenario")
             sc, platform = fit_platform(sc, args.fit_platform, fit_rows, ttft_s, tpot_s, sessions)
             print(f"platform fitted on {args.fit_platform} (in sample): request overhead "
                   f"{platform['request_overhead_s']:.3f} s, compute x{platform['compute_slowdown']:.2f}, MD call overhead "
                   f"{platform['md_call_overhead_s']:.3f} s, decode step overhead "
                   f"{platform['decode_step_overhead_ms']:.1f} ms; the other graphs are out of sample")
         res = validate(sc, rows, ttft_s, tpot_s, [args.graph] if args.graph else None, args.draws, sessions)
-    except SimConfigError as e:
+    except ScenarioError as e:
         print(f"validate: error: {e}", file=sys.stderr)
         return 2
     print(format_validation(res, args.tolerance))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from evaluations.sim.config import SimConfigError, WorkloadSpec
+from evaluations.sim.config import ScenarioError, WorkloadSpec
 
 FRESH_ID_BASE = 1 << 40  # ids of never-seen blocks; family blocks stay below it
 FAMILY_STRIDE = 1 << 20
@@ -120,7 +120,7 @@ def _read_trace(path: str) -> tuple[tuple[float, int, int, tuple[int, ...]], ...
     try:
         lines = p.read_text().splitlines()
     except OSError as e:
-        raise SimConfigError(f"{path}: cannot read trace: {e.strerror or e}") from None
+        raise ScenarioError(f"{path}: cannot read trace: {e.strerror or e}") from None
     for i, line in enumerate(lines):
         if not line.strip():
             continue
@@ -129,10 +129,10 @@ def _read_trace(path: str) -> tuple[tuple[float, int, int, tuple[int, ...]], ...
             rows.append((float(d["timestamp"]), int(d["input_length"]), int(d["output_length"]),
                          tuple(int(h) for h in d["hash_ids"])))
         except (ValueError, KeyError, TypeError) as e:
-            raise SimConfigError(f"{path}:{i + 1}: not a Mooncake trace line "
+            raise ScenarioError(f"{path}:{i + 1}: not a Mooncake trace line "
                                  f"(timestamp, input_length, output_length, hash_ids): {e}") from None
     if not rows:
-        raise SimConfigError(f"{path}: the trace holds no requests")
+        raise ScenarioError(f"{path}: the trace holds no requests")
     return tuple(rows)
 
 
@@ -142,7 +142,7 @@ def mooncake_trace(spec: WorkloadSpec, path: str | None = None, limit: int | Non
     pdd_serve's radix cache reserves 0 for the root. A trailing partial block has no identity."""
     path = path or spec.trace_path
     if not path:
-        raise SimConfigError("workload.trace_path: no trace given")
+        raise ScenarioError("workload.trace_path: no trace given")
     rows = _read_trace(str(path))
     limit = limit or spec.trace_limit
     if limit:
@@ -152,7 +152,7 @@ def mooncake_trace(spec: WorkloadSpec, path: str | None = None, limit: int | Non
     out = []
     for i, (ts, n_in, n_out, ids) in enumerate(rows):
         full = n_in // bs
-        out.append(SimRequest(i, (ts - t0) / 1e3 * spec.trace_time_scale, max(1, n_in), max(1, n_out),
+        out.append(SimRequest(i, (ts - t0) / 1e3 * spec.trace_gap_scale, max(1, n_in), max(1, n_out),
                               tuple(h + 1 for h in ids[:full])))
     return Workload(out, [], bs, f"trace {Path(path).name} n={len(out)}")
 

@@ -17,8 +17,8 @@ from pdd_serve.cluster.config import (
     ClusterError,
     LocalClusterConfig,
     ShapedLinkUnavailable,
-    _load_state,
     env_lines,
+    load_state,
 )
 from pdd_serve.cluster.inspection import format_serve_deployments
 from pdd_serve.cluster.local import cluster_down, cluster_status, cluster_up
@@ -176,7 +176,7 @@ def _run_status(args: argparse.Namespace) -> int:
 def _run_env(args: argparse.Namespace) -> int:
     try:
         cfg = _cfg_from_args(args)
-        if _load_state(cfg) is None:
+        if load_state(cfg) is None:
             print(f"# note: no cluster recorded in {cfg.state_dir}; run `pdd cluster up`", file=sys.stderr)
         print("\n".join(env_lines(cfg)))
     except (ValueError, ClusterError) as e:

@@ -1,4 +1,4 @@
-"""Settings, recorded state and driver environment of the local two-site cluster (see cluster.py)."""
+"""Settings, recorded state and driver environment of the local two-site cluster (see local.py)."""
 
 from __future__ import annotations
 
@@ -154,7 +154,7 @@ def _state_path(cfg: LocalClusterConfig) -> Path:
     return Path(cfg.state_dir) / STATE_FILE
 
 
-def _load_state(cfg: LocalClusterConfig) -> dict[str, Any] | None:
+def load_state(cfg: LocalClusterConfig) -> dict[str, Any] | None:
     try:
         return json.loads(_state_path(cfg).read_text())
     except FileNotFoundError:
@@ -163,7 +163,7 @@ def _load_state(cfg: LocalClusterConfig) -> dict[str, Any] | None:
         raise ClusterError(f"cannot read cluster state {_state_path(cfg)}: {e}; remove it to start over") from e
 
 
-def _save_state(cfg: LocalClusterConfig, state: dict[str, Any]) -> None:
+def save_state(cfg: LocalClusterConfig, state: dict[str, Any]) -> None:
     p = _state_path(cfg)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_suffix(".tmp")
@@ -171,7 +171,7 @@ def _save_state(cfg: LocalClusterConfig, state: dict[str, Any]) -> None:
     os.replace(tmp, p)
 
 
-def _recorded_cfg(cfg: LocalClusterConfig, state: dict[str, Any] | None) -> LocalClusterConfig:
+def recorded_config(cfg: LocalClusterConfig, state: dict[str, Any] | None) -> LocalClusterConfig:
     """cfg with the address-defining fields taken from the recorded state, when there is one."""
     if not state:
         return cfg
@@ -191,7 +191,7 @@ def driver_env(cfg: LocalClusterConfig) -> dict[str, str]:
     file. Also make sure RAY_AUTH_TOKEN is unset in that environment (it would win over the path).
     Read from the recorded state when there is one, else derived from cfg (same values).
     """
-    rcfg = _recorded_cfg(cfg, _load_state(cfg))
+    rcfg = recorded_config(cfg, load_state(cfg))
     return {"RAY_ADDRESS": rcfg.address, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(rcfg.token_path)}
 
 
@@ -221,7 +221,7 @@ def refresh_ray_auth_config() -> None:
         AuthenticationTokenLoader.instance().reset_cache()
 
 
-def _subprocess_env(cfg: LocalClusterConfig) -> dict[str, str]:
+def ray_subprocess_env(cfg: LocalClusterConfig) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("RAY_AUTH_TOKEN", None)
     env.pop("RAY_ADDRESS", None)

@@ -16,11 +16,11 @@ from pdd_serve.cluster.config import (
     SITE_LABEL,
     SITES,
     LocalClusterConfig,
-    _load_state,
-    _recorded_cfg,
-    _subprocess_env,
+    load_state,
+    ray_subprocess_env,
+    recorded_config,
 )
-from pdd_serve.cluster.procs import _running
+from pdd_serve.cluster.procs import group_runs
 
 # ---- probing ----------------------------------------------------------------------------------
 
@@ -70,13 +70,13 @@ print("PDD_PROBE " + json.dumps(out))
 """
 
 
-def _probe(cfg: LocalClusterConfig, wait_s: float = 0.0, sites: Iterable[str] = SITES,
+def probe_cluster(cfg: LocalClusterConfig, wait_s: float = 0.0, sites: Iterable[str] = SITES,
            replicas: bool = False) -> dict[str, Any]:
     """Node table of the cluster at cfg.address: {"nodes": [...], "error": str | None}; with
     `replicas`, also "serve": {"controller": bool, "replicas": [live ServeReplica actors], "error"}."""
     cmd = [sys.executable, "-c", _PROBE, cfg.address, str(wait_s), ",".join(sites), "1" if replicas else "0"]
     try:
-        r = subprocess.run(cmd, env=_subprocess_env(cfg), capture_output=True, text=True, timeout=wait_s + 30,
+        r = subprocess.run(cmd, env=ray_subprocess_env(cfg), capture_output=True, text=True, timeout=wait_s + 30,
                            stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         return {"nodes": [], "error": f"GCS probe of {cfg.address} timed out"}
@@ -86,7 +86,7 @@ def _probe(cfg: LocalClusterConfig, wait_s: float = 0.0, sites: Iterable[str] = 
     return {"nodes": [], "error": f"GCS probe failed (exit {r.returncode}): {_tail_text(r.stderr, 10)}"}
 
 
-def _alive_sites(nodes: list[dict[str, Any]]) -> dict[str, str]:
+def alive_sites(nodes: list[dict[str, Any]]) -> dict[str, str]:
     """site -> node id of the alive node carrying that label (the newest one if several)."""
     out: dict[str, str] = {}
     for n in nodes:
@@ -96,10 +96,10 @@ def _alive_sites(nodes: list[dict[str, Any]]) -> dict[str, str]:
     return out
 
 
-def _local_alive_sites(state: dict[str, Any], nodes: list[dict[str, Any]]) -> dict[str, str]:
-    """`_alive_sites`, less sites whose raylet process is gone (the GCS takes ~30 s to notice)."""
+def local_alive_sites(state: dict[str, Any], nodes: list[dict[str, Any]]) -> dict[str, str]:
+    """`alive_sites`, less sites whose raylet process is gone (the GCS takes ~30 s to notice)."""
     pgids = state.get("pgids", {})
-    return {s: nid for s, nid in _alive_sites(nodes).items() if s not in pgids or _running(pgids[s], "raylet/raylet")}
+    return {s: nid for s, nid in alive_sites(nodes).items() if s not in pgids or group_runs(pgids[s], "raylet/raylet")}
 
 
 # ---- Serve replicas per site ------------------------------------------------------------------
@@ -203,7 +203,7 @@ def _tail_file(path: Path, lines: int = 30, max_bytes: int = 65536) -> str:
         return ""
 
 
-def _session_dir(temp_dir: Path) -> Path | None:
+def latest_session_dir(temp_dir: Path) -> Path | None:
     latest = Path(temp_dir) / "session_latest"
     with contextlib.suppress(OSError):
         if latest.exists():
@@ -213,10 +213,10 @@ def _session_dir(temp_dir: Path) -> Path | None:
 
 def log_tail(cfg: LocalClusterConfig, lines: int = 25) -> str:
     """The tails of this cluster's `ray start` output and of Ray's GCS / raylet logs, for error reports."""
-    rcfg = _recorded_cfg(cfg, _load_state(cfg))
+    rcfg = recorded_config(cfg, load_state(cfg))
     parts = []
     paths = [Path(cfg.state_dir) / LOG_DIR / f"ray_start_{s}.log" for s in SITES]
-    session = _session_dir(Path(rcfg.temp_dir))
+    session = latest_session_dir(Path(rcfg.temp_dir))
     if session:
         logs = session / "logs"
         paths += [logs / "gcs_server.err", logs / "gcs_server.out", logs / "raylet.err", logs / "raylet.out",

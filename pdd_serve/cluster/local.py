@@ -33,9 +33,9 @@ Site a then binds the host end's address (10.192.0.0/14, one /30 per GCS port) i
 127.0.0.1; `cluster_down` removes the namespace. Off by default: nothing changes without it.
 
 This module is the public face: the config, `cluster_up` / `cluster_down` / `cluster_status` and the
-names other code imports. The parts live beside it: cluster_config.py (settings, state file, driver
-environment), cluster_procs.py (processes via /proc, ports), cluster_inspect.py (GCS probe, Serve
-replicas per site, log tails), cluster_cli.py (`pdd cluster ...`).
+names other code imports. The parts live beside it: config.py (settings, state file, driver
+environment), procs.py (processes via /proc, ports, `terminate`), inspection.py (GCS probe, Serve
+replicas per site, log tails), netns.py (the shaped link), cli.py (`pdd cluster ...`).
 """
 
 from __future__ import annotations
@@ -68,32 +68,32 @@ from pdd_serve.cluster.config import (
     ClusterInfo,
     LocalClusterConfig,
     ShapedLinkUnavailable,
-    _load_state,
-    _recorded_cfg,
-    _save_state,
-    _subprocess_env,
     apply_driver_env,
     driver_env,
     env_lines,
+    load_state,
+    ray_subprocess_env,
+    recorded_config,
     refresh_ray_auth_config,
+    save_state,
 )
 from pdd_serve.cluster.inspection import (
     UNPLACED,
-    _alive_sites,
-    _local_alive_sites,
-    _probe,
-    _session_dir,
+    alive_sites,
     format_serve_deployments,
+    latest_session_dir,
+    local_alive_sites,
     log_tail,
+    probe_cluster,
     serve_deployments,
 )
 from pdd_serve.cluster.netns import NetnsError, ShapedLink, VethNamespace
 from pdd_serve.cluster.procs import (
-    _cluster_procs,
-    _free_ports,
-    _groups_running_under,
-    _kill_groups,
-    _running,
+    cluster_pids,
+    free_ports,
+    group_runs,
+    groups_running_under,
+    kill_groups,
     port_problem,
 )
 
@@ -116,9 +116,9 @@ def _start_site(cfg: LocalClusterConfig, state: dict[str, Any], site: str, args:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:  # prefix: `ip netns exec NS` for site b behind a shaped link
         proc = subprocess.Popen([*prefix, _ray_exe(), "start", *args], stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=_subprocess_env(cfg), start_new_session=True)
+                                stdin=subprocess.DEVNULL, env=ray_subprocess_env(cfg), start_new_session=True)
     state["pgids"][site] = proc.pid  # its own session: every process it spawns shares this group
-    _save_state(cfg, state)
+    save_state(cfg, state)
     try:
         rc = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -140,7 +140,7 @@ def _info(cfg: LocalClusterConfig, state: dict[str, Any], node_ids: dict[str, st
           already_running: bool) -> ClusterInfo:
     ports = state.get("ports", {})
     dash = f"http://127.0.0.1:{ports['dashboard']}" if state["identity"].get("dashboard") else None
-    session = _session_dir(Path(cfg.temp_dir))
+    session = latest_session_dir(Path(cfg.temp_dir))
     return ClusterInfo(address=cfg.address, node_ids=dict(node_ids), env=driver_env(cfg),
                        token_path=str(cfg.token_path), state_dir=str(cfg.state_dir), temp_dir=str(cfg.temp_dir),
                        session_dir=str(session) if session else None, dashboard_url=dash, ports=dict(ports),
@@ -173,13 +173,13 @@ def cluster_up(cfg: LocalClusterConfig, log: Callable[[str], None] | None = None
 
 
 def _up(cfg: LocalClusterConfig, say: Callable[[str], None]) -> ClusterInfo:
-    state = _load_state(cfg)
+    state = load_state(cfg)
     if state is not None:
-        rcfg = _recorded_cfg(cfg, state)
+        rcfg = recorded_config(cfg, state)
         head = state.get("pgids", {}).get("a")
-        probe = (_probe(rcfg, wait_s=2.0) if head and _running(head, "gcs/gcs_server")
+        probe = (probe_cluster(rcfg, wait_s=2.0) if head and group_runs(head, "gcs/gcs_server")
                  else {"nodes": [], "error": "the head's GCS is not running"})
-        sites = _local_alive_sites(state, probe["nodes"])
+        sites = local_alive_sites(state, probe["nodes"])
         if probe["error"] is None and set(sites) == set(SITES):
             if state.get("identity") != cfg.identity():
                 diff = {k: (state.get("identity", {}).get(k), v) for k, v in cfg.identity().items()
@@ -207,18 +207,18 @@ def _up(cfg: LocalClusterConfig, say: Callable[[str], None]) -> ClusterInfo:
         if problem:
             raise ClusterError(f"dashboard port {cfg.dashboard_port} is taken: {problem}; "
                                "pick another (--dashboard-port) or run without the dashboard")
-    leftovers = _groups_running_under(Path(cfg.temp_dir))
+    leftovers = groups_running_under(Path(cfg.temp_dir))
     if leftovers:
         say(f"stopping leftover Ray processes under {cfg.temp_dir} (groups {sorted(leftovers)})")
-        _kill_groups(leftovers)
+        kill_groups(leftovers)
 
-    client, agent_a, agent_b, dash = _free_ports(4, avoid={cfg.port, cfg.dashboard_port})
+    client, agent_a, agent_b, dash = free_ports(4, avoid={cfg.port, cfg.dashboard_port})
     ports = {"gcs": cfg.port, "ray_client": client, "dashboard_agent_a": agent_a, "dashboard_agent_b": agent_b,
              "dashboard": cfg.dashboard_port if cfg.dashboard else dash}
     _write_token(cfg)
     state = {"identity": cfg.identity(), "address": cfg.address, "pgids": {}, "ports": ports,
              "token_path": str(cfg.token_path), "started_at": time.time()}
-    _save_state(cfg, state)
+    save_state(cfg, state)
     deadline = time.monotonic() + cfg.start_timeout_s
     common = ["--node-ip-address", cfg.node_ip, "--temp-dir", str(cfg.temp_dir), "--disable-usage-stats",
               "--object-store-memory", str(cfg.object_store_mib * 2**20)]
@@ -238,15 +238,15 @@ def _up(cfg: LocalClusterConfig, say: Callable[[str], None]) -> ClusterInfo:
         prefix_b: list[str] = []
         if cfg.veth is not None:
             state["netns"] = _setup_shaped_link(cfg, say)
-            _save_state(cfg, state)
+            save_state(cfg, state)
             worker[worker.index("--node-ip-address") + 1] = cfg.veth.ns_ip
             prefix_b = cfg.veth.exec_prefix
         say(f"starting site a (head, GCS {cfg.address}) ...")
         _start_site(cfg, state, "a", head, max(1.0, deadline - time.monotonic()))
         say(f"starting site b ... ({time.monotonic() - t0:.1f}s)")
         _start_site(cfg, state, "b", worker, max(1.0, deadline - time.monotonic()), prefix=prefix_b)
-        probe = _probe(cfg, wait_s=max(1.0, deadline - time.monotonic()))
-        sites = _alive_sites(probe["nodes"])
+        probe = probe_cluster(cfg, wait_s=max(1.0, deadline - time.monotonic()))
+        sites = alive_sites(probe["nodes"])
         if set(sites) != set(SITES):
             raise ClusterError(f"the labelled nodes did not come up within {cfg.start_timeout_s:.0f}s "
                                f"(alive sites: {sorted(sites) or 'none'}; {probe['error'] or 'no probe error'})")
@@ -261,17 +261,17 @@ def _up(cfg: LocalClusterConfig, say: Callable[[str], None]) -> ClusterInfo:
             raise ClusterError(f"{e}\n{tail}") from None
         raise
     state["node_ids"] = sites
-    session = _session_dir(Path(cfg.temp_dir))
+    session = latest_session_dir(Path(cfg.temp_dir))
     state["session_dir"] = str(session) if session else None
-    _save_state(cfg, state)
+    save_state(cfg, state)
     (Path(cfg.state_dir) / ENV_FILE).write_text("\n".join(env_lines(cfg)) + "\n")
     say(f"cluster up in {time.monotonic() - t0:.1f}s")
     return _info(cfg, state, sites, already_running=False)
 
 
 def _teardown(cfg: LocalClusterConfig, state: dict[str, Any] | None) -> list[int]:
-    groups = set((state or {}).get("pgids", {}).values()) | _groups_running_under(Path(cfg.temp_dir))
-    pids = _kill_groups(groups)
+    groups = set((state or {}).get("pgids", {}).values()) | groups_running_under(Path(cfg.temp_dir))
+    pids = kill_groups(groups)
     _destroy_shaped_link(cfg, state)
     return pids
 
@@ -344,8 +344,8 @@ def cluster_down(cfg: LocalClusterConfig, remove_logs: bool = False) -> dict[str
 
 
 def _down(cfg: LocalClusterConfig, remove_logs: bool = False) -> dict[str, Any]:
-    state = _load_state(cfg)
-    rcfg = _recorded_cfg(cfg, state)
+    state = load_state(cfg)
+    rcfg = recorded_config(cfg, state)
     pids = _teardown(rcfg, state)
     ns_left = [n for n in [(state or {}).get("netns", {}).get("veth", {}).get("name")] if n and netns.exists(n)]
     _remove_state(cfg)
@@ -372,24 +372,24 @@ def cluster_status(cfg: LocalClusterConfig) -> dict[str, Any]:
     answered, serve {controller, replicas, error, deployments (serve_deployments: each Serve
     deployment's live replicas with their site)}.
     """
-    state = _load_state(cfg)
-    rcfg = _recorded_cfg(cfg, state)
+    state = load_state(cfg)
+    rcfg = recorded_config(cfg, state)
     out: dict[str, Any] = {"state_dir": str(cfg.state_dir), "recorded": state is not None,
                            "address": rcfg.address, "temp_dir": str(rcfg.temp_dir), "running": False,
                            "healthy": False, "sites": {}, "nodes": [], "error": None,
                            "env": driver_env(cfg), "ports": (state or {}).get("ports", {}),
                            "shaped_link": (state or {}).get("netns")}
     pgids = (state or {}).get("pgids", {})
-    procs = {s: len(_cluster_procs([pgids[s]])) if s in pgids else 0 for s in SITES}
-    if state is None and not _groups_running_under(Path(rcfg.temp_dir)):
+    procs = {s: len(cluster_pids([pgids[s]])) if s in pgids else 0 for s in SITES}
+    if state is None and not groups_running_under(Path(rcfg.temp_dir)):
         out["message"] = f"no cluster running (nothing recorded in {cfg.state_dir}); start one with `pdd cluster up`"
         out["sites"] = {s: {"alive": False, "node_id": None, "processes": 0} for s in SITES}
         return out
-    if state is None or ("a" in pgids and _running(pgids["a"], "gcs/gcs_server")):
-        probe = _probe(rcfg, wait_s=0.0, replicas=True)
+    if state is None or ("a" in pgids and group_runs(pgids["a"], "gcs/gcs_server")):
+        probe = probe_cluster(rcfg, wait_s=0.0, replicas=True)
     else:
         probe = {"nodes": [], "error": "the head's GCS (site a) is not running"}
-    alive = _local_alive_sites(state or {}, probe["nodes"])
+    alive = local_alive_sites(state or {}, probe["nodes"])
     out["nodes"] = probe["nodes"]
     out["error"] = probe["error"]
     if probe.get("serve") is not None:

@@ -27,12 +27,12 @@ import math
 import os
 import re
 import shutil
-import signal
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from pdd_serve.cluster.procs import terminate
 
 NETNS_DIR = Path("/run/netns")  # where `ip netns add` pins named namespaces
 IFNAMSIZ = 15  # max interface name length (IFNAMSIZ - 1)
@@ -248,7 +248,7 @@ def support() -> str | None:
     return None
 
 
-def _run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+def run_cmd(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=CMD_TIMEOUT_S, stdin=subprocess.DEVNULL)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -266,12 +266,12 @@ def exists(ns: VethNamespace | str) -> bool:
 
 def _link_exists(ifname: str, netns: str | None = None) -> bool:
     cmd = ["ip", *(["-n", netns] if netns else []), "link", "show", "dev", ifname]
-    return _run(cmd, check=False).returncode == 0
+    return run_cmd(cmd, check=False).returncode == 0
 
 
 def _addr_owner(ip: str) -> str | None:
     """The interface in the root namespace that holds `ip`, if any."""
-    for line in _run(["ip", "-o", "-4", "addr", "show"]).stdout.splitlines():
+    for line in run_cmd(["ip", "-o", "-4", "addr", "show"]).stdout.splitlines():
         f = line.split()
         if len(f) >= 4 and f[3].split("/")[0] == ip:
             return f[1]
@@ -293,20 +293,20 @@ def create(ns: VethNamespace, link: ShapedLink | None = None) -> KernelShaping:
     made_ns = not exists(ns)
     try:
         if made_ns:
-            _run(["ip", "netns", "add", ns.name])
+            run_cmd(["ip", "netns", "add", ns.name])
         if not _link_exists(ns.host_if):
             if _link_exists(ns.ns_if, ns.name):  # the host end died alone: start the pair over
-                _run(["ip", "-n", ns.name, "link", "del", ns.ns_if])
-            _run(["ip", "link", "add", ns.host_if, "type", "veth", "peer", "name", ns.ns_if, "netns", ns.name])
+                run_cmd(["ip", "-n", ns.name, "link", "del", ns.ns_if])
+            run_cmd(["ip", "link", "add", ns.host_if, "type", "veth", "peer", "name", ns.ns_if, "netns", ns.name])
         cidr = f"/{ns.prefix_len}"
-        _run(["ip", "addr", "replace", ns.host_ip + cidr, "dev", ns.host_if])
-        _run(["ip", "link", "set", ns.host_if, "up"])
-        _run(["ip", "-n", ns.name, "addr", "replace", ns.ns_ip + cidr, "dev", ns.ns_if])
-        _run(["ip", "-n", ns.name, "link", "set", "lo", "up"])
-        _run(["ip", "-n", ns.name, "link", "set", ns.ns_if, "up"])
+        run_cmd(["ip", "addr", "replace", ns.host_ip + cidr, "dev", ns.host_if])
+        run_cmd(["ip", "link", "set", ns.host_if, "up"])
+        run_cmd(["ip", "-n", ns.name, "addr", "replace", ns.ns_ip + cidr, "dev", ns.ns_if])
+        run_cmd(["ip", "-n", ns.name, "link", "set", "lo", "up"])
+        run_cmd(["ip", "-n", ns.name, "link", "set", ns.ns_if, "up"])
         # a default route out through the host end: then "the address others reach me on" (the
         # Flight server's advertise host, Ray's node IP probe) resolves to ns_ip inside
-        _run(["ip", "-n", ns.name, "route", "replace", "default", "via", ns.host_ip])
+        run_cmd(["ip", "-n", ns.name, "route", "replace", "default", "via", ns.host_ip])
         return shape(ns, link)
     except BaseException:
         if made_ns:
@@ -317,7 +317,7 @@ def create(ns: VethNamespace, link: ShapedLink | None = None) -> KernelShaping:
 
 def _clear_root(dev: str, netns: str | None) -> None:
     cmd = ["tc", *(["-n", netns] if netns else []), "qdisc", "del", "dev", dev, "root"]
-    _run(cmd, check=False)  # "no such qdisc" is fine: there was none
+    run_cmd(cmd, check=False)  # "no such qdisc" is fine: there was none
 
 
 def _qdisc_unknown(e: NetnsError) -> bool:
@@ -345,18 +345,18 @@ def _shape_dev(dev: str, netns: str | None, link: ShapedLink, netem: bool) -> st
                 em += [f"{link.jitter_s * 1e6:.0f}us"]
         if link.loss:
             em += ["loss", f"{link.loss * 100:g}%"]
-        _run([*tc, "qdisc", "add", "dev", dev, *parent, *em])
+        run_cmd([*tc, "qdisc", "add", "dev", dev, *parent, *em])
         parent = ["parent", "1:1", "handle", "10:"]
     try:
-        _run([*tc, "qdisc", "add", "dev", dev, *parent, *_tbf_args(link)])
+        run_cmd([*tc, "qdisc", "add", "dev", dev, *parent, *_tbf_args(link)])
         return "tbf"
     except NetnsError as e:
         if not _qdisc_unknown(e) or netem:
             raise
     # no tbf in this kernel: an htb class with rate = ceil does the same job
     burst = _tbf_args(link)[4]
-    _run([*tc, "qdisc", "add", "dev", dev, *parent, "htb", "default", "10"])
-    _run([*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb", "rate",
+    run_cmd([*tc, "qdisc", "add", "dev", dev, *parent, "htb", "default", "10"])
+    run_cmd([*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb", "rate",
           f"{int(link.rate_bps)}bit", "ceil", f"{int(link.rate_bps)}bit", "burst", burst, "cburst", burst])
     return "htb"
 
@@ -364,7 +364,7 @@ def _shape_dev(dev: str, netns: str | None, link: ShapedLink, netem: bool) -> st
 def netem_available(ns: VethNamespace) -> bool:
     """Whether the kernel has netem, probed on the namespace's host veth end (left unshaped)."""
     _clear_root(ns.host_if, None)
-    r = _run(["tc", "qdisc", "add", "dev", ns.host_if, "root", "handle", "1:", "netem", "delay", "0us"], check=False)
+    r = run_cmd(["tc", "qdisc", "add", "dev", ns.host_if, "root", "handle", "1:", "netem", "delay", "0us"], check=False)
     _clear_root(ns.host_if, None)
     return r.returncode == 0
 
@@ -387,7 +387,7 @@ def pids(ns: VethNamespace | str) -> list[int]:
     name = ns.name if isinstance(ns, VethNamespace) else ns
     if not exists(name):
         return []
-    r = _run(["ip", "netns", "pids", name], check=False)
+    r = run_cmd(["ip", "netns", "pids", name], check=False)
     return [int(p) for p in r.stdout.split() if p.isdigit()]
 
 
@@ -401,21 +401,11 @@ def destroy(ns: VethNamespace, kill: bool = True, grace_s: float = 3.0) -> list[
     victims: list[int] = []
     if exists(ns) and kill:
         victims = [p for p in pids(ns) if p != os.getpid()]
-        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
-            left = [p for p in victims if Path(f"/proc/{p}").exists()]
-            for p in left:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(p, sig)
-            deadline = time.monotonic() + wait_s
-            while left and time.monotonic() < deadline:
-                time.sleep(0.05)
-                left = [p for p in left if Path(f"/proc/{p}").exists() and not _zombie(p)]
-            if not left:
-                break
+        terminate(lambda: [p for p in victims if Path(f"/proc/{p}").exists() and not _zombie(p)], grace_s)
     if exists(ns):
-        _run(["ip", "netns", "del", ns.name])
+        run_cmd(["ip", "netns", "del", ns.name])
     if _link_exists(ns.host_if):  # normally gone with its peer; not if the namespace lingers
-        _run(["ip", "link", "del", ns.host_if], check=False)
+        run_cmd(["ip", "link", "del", ns.host_if], check=False)
     return victims
 
 

@@ -7,7 +7,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 # ---- processes (via /proc; psutil isn't a dependency) ----------------------------------------
@@ -38,7 +38,7 @@ def _snapshot() -> dict[int, tuple[str, int, int]]:
     return out
 
 
-def _cluster_procs(pgids: Iterable[int], known: Iterable[int] = ()) -> set[int]:
+def cluster_pids(pgids: Iterable[int], known: Iterable[int] = ()) -> set[int]:
     """Live Ray processes in the given process groups, plus their descendants and `known` pids.
 
     Descendants matter: `ray start` puts GCS, raylet and agents in its own session, but each worker
@@ -63,12 +63,12 @@ def _cluster_procs(pgids: Iterable[int], known: Iterable[int] = ()) -> set[int]:
     return {pid for pid in seen - protected if snap[pid][0] != "Z" and "ray" in _cmdline(pid)}
 
 
-def _running(pgid: int, binary: str) -> bool:
+def group_runs(pgid: int, binary: str) -> bool:
     """Whether the group runs Ray's `binary` ("raylet/raylet" or "gcs/gcs_server")."""
-    return any(f"/{binary} " in _cmdline(pid) for pid in _cluster_procs([pgid]))
+    return any(f"/{binary} " in _cmdline(pid) for pid in cluster_pids([pgid]))
 
 
-def _groups_running_under(temp_dir: Path) -> set[int]:
+def groups_running_under(temp_dir: Path) -> set[int]:
     """Process groups of processes whose command line names this cluster's session dir."""
     needle = f"{temp_dir}/session_"
     out = set()
@@ -78,23 +78,36 @@ def _groups_running_under(temp_dir: Path) -> set[int]:
     return out
 
 
-def _kill_groups(pgids: Iterable[int], grace_s: float = 2.0) -> list[int]:
-    """SIGTERM the Ray processes of these groups and their descendants, SIGKILL what's left after
-    grace_s. Returns the pids signalled."""
-    groups = set(pgids) - {os.getpgrp(), 0, 1}
-    victims = _cluster_procs(groups)
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        left = _cluster_procs(groups, victims)
+def terminate(alive: Callable[[], Iterable[int]], grace_s: float, kill_after_s: float = 2.0,
+              poll_s: float = 0.05) -> None:
+    """SIGTERM the processes `alive()` names, give them grace_s to go, then SIGKILL whatever it
+    still names and wait up to kill_after_s. `alive` is asked again every poll_s, so it can follow
+    processes that appear meanwhile (a group's new children) and drop the dead ones."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, kill_after_s)):
+        left = list(alive())
         for pid in left:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sig)
         deadline = time.monotonic() + wait_s
         while left and time.monotonic() < deadline:
-            time.sleep(0.1)
-            left = _cluster_procs(groups, victims | left)
-            victims |= left
+            time.sleep(poll_s)
+            left = list(alive())
         if not left:
-            break
+            return
+
+
+def kill_groups(pgids: Iterable[int], grace_s: float = 2.0) -> list[int]:
+    """SIGTERM the Ray processes of these groups and their descendants, SIGKILL what's left after
+    grace_s. Returns the pids signalled."""
+    groups = set(pgids) - {os.getpgrp(), 0, 1}
+    victims = cluster_pids(groups)
+
+    def alive() -> set[int]:  # once signalled, a pid is followed even if it leaves its group
+        left = cluster_pids(groups, victims)
+        victims.update(left)
+        return left
+
+    terminate(alive, grace_s, kill_after_s=5.0, poll_s=0.1)
     return sorted(victims)
 
 
@@ -118,7 +131,7 @@ def port_problem(host: str, port: int) -> str | None:
     return None
 
 
-def _free_ports(n: int, avoid: Iterable[int] = ()) -> list[int]:
+def free_ports(n: int, avoid: Iterable[int] = ()) -> list[int]:
     avoid, socks, ports = set(avoid), [], []
     try:
         while len(ports) < n:

@@ -1,10 +1,13 @@
 """The one cost model: roofline step times of a model shape on a chip, and the data behind them.
 
-Pure (no Ray, no torch). Three users, one model (DESIGN.md "Emulated accelerators"):
+Pure (no Ray, no torch). Three users, one model (docs/design.md, "Emulated accelerators"):
 - an emulating engine paces each real step of the small model to the step time this predicts for
   the emulated model on the emulated chip (`pdd_serve/emulation/pacer.py`);
 - KV capacity and the bytes a request's KV puts on the link are the emulated model's;
 - the simulator (`evaluations/sim`) imports these functions unchanged, as it does `policy.py`.
+The data is the one chip and model catalog, `costmodel.yaml` beside this file: `load_catalog` is the
+only reader of chip entries (a user's own catalog, `--catalog` or a scenario's `catalog:`, comes in
+through it too), and `pdd compare`'s BCR takes its prices from the same entries.
 
 A forward over `tokens` new tokens that attend to `attn_keys` (token, key) pairs and touch
 `kv_tokens` tokens of KV costs
@@ -24,7 +27,7 @@ properties give SI. Every chip and model number is a published spec or a stated 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -41,20 +44,21 @@ def _check(cond: bool, field_: str, msg: str) -> None:
         raise CostModelError(f"{field_}: {msg}")
 
 
-def _pos(x: Any) -> bool:
+def positive(x: Any) -> bool:
+    """A finite number > 0 (not a bool)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 and math.isfinite(x)
 
 
 @dataclass(frozen=True)
 class ChipSpec:
-    """One accelerator, judged on PDD.md's four dimensions plus a price."""
+    """One accelerator, judged on docs/pdd.md's four dimensions plus a price."""
 
     name: str
     peak_tflops: float  # dense FLOP/s at the serving dtype, 1e12
     mem_gb: float  # HBM capacity, 1e9 bytes
     mem_bw_gb_s: float  # HBM bandwidth, 1e9 bytes/s
     interconnect_gb_s: float  # scale-OUT (RDMA NIC) bandwidth per chip, 1e9 bytes/s: KV copies inside a site
-    price_per_hour: float  # one currency for the whole catalog
+    price_per_hour: float  # USD (the simulator's chip-a/b/c: chip-A hours, as their scenarios price)
     mfu: float = 0.5  # achievable fraction of peak compute
     mbu: float = 0.8  # achievable fraction of memory bandwidth
     forward_overhead_ms: float = 0.0  # fixed cost of one forward pass (launch, scheduling, sync)
@@ -65,12 +69,12 @@ class ChipSpec:
 
     def __post_init__(self) -> None:
         for f in ("peak_tflops", "mem_gb", "mem_bw_gb_s", "interconnect_gb_s", "price_per_hour"):
-            _check(_pos(getattr(self, f)), f, f"must be a number > 0, got {getattr(self, f)!r}")
+            _check(positive(getattr(self, f)), f, f"must be a number > 0, got {getattr(self, f)!r}")
         for f in ("mfu", "mbu"):
-            _check(_pos(getattr(self, f)) and getattr(self, f) <= 1, f, f"must be in (0, 1], got {getattr(self, f)!r}")
+            _check(positive(getattr(self, f)) and getattr(self, f) <= 1, f, f"must be in (0, 1], got {getattr(self, f)!r}")
         _check(isinstance(self.forward_overhead_ms, (int, float)) and self.forward_overhead_ms >= 0,
                "forward_overhead_ms", "must be >= 0")
-        _check(self.scaleup_gb_s is None or _pos(self.scaleup_gb_s), "scaleup_gb_s", "must be > 0 or null")
+        _check(self.scaleup_gb_s is None or positive(self.scaleup_gb_s), "scaleup_gb_s", "must be > 0 or null")
 
     @property
     def flops(self) -> float:
@@ -135,9 +139,9 @@ class ModelShape:
                                    int(self.layers * self.kv_heads * self.head_dim * 2 * self.kv_bytes))
         for f in ("params_b", "layers", "hidden", "attn_dim", "kv_bytes_per_token", "bytes_per_param", "act_bytes",
                   "kv_bytes"):
-            _check(_pos(getattr(self, f)), f, f"must be a number > 0 (or give heads, kv_heads and head_dim), "
+            _check(positive(getattr(self, f)), f, f"must be a number > 0 (or give heads, kv_heads and head_dim), "
                                               f"got {getattr(self, f)!r}")
-        _check(self.active_params_b is None or (_pos(self.active_params_b) and self.active_params_b <= self.params_b),
+        _check(self.active_params_b is None or (positive(self.active_params_b) and self.active_params_b <= self.params_b),
                "active_params_b", f"must be in (0, params_b], got {self.active_params_b!r}")
 
     @property
@@ -158,8 +162,13 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class Catalog:
+    """One catalog file's chips, model shapes and line prices (the BCR of `pdd compare` prices the
+    inter-DC line a cross-site graph rents: `links.cross_dc`, `links.same_dc`)."""
+
     chips: dict[str, ChipSpec]
     models: dict[str, ModelShape]
+    links: dict[str, float] = field(default_factory=dict)  # line name -> price per hour
+    path: str = ""
 
     def chip(self, name: str) -> ChipSpec:
         if name not in self.chips:
@@ -171,10 +180,22 @@ class Catalog:
             raise CostModelError(f"model: unknown model shape {name!r}; the catalog has {', '.join(sorted(self.models))}")
         return self.models[name]
 
+    def link_price(self, cross_site: bool) -> float:
+        return float(self.links.get("cross_dc" if cross_site else "same_dc", 0.0))
+
+    def merged(self, own: Catalog) -> Catalog:
+        """This catalog with a user's own added: `own`'s entries win over same-named ones."""
+        return Catalog({**self.chips, **own.chips}, {**self.models, **own.models}, {**self.links, **own.links},
+                       own.path or self.path)
+
 
 def _build(cls: type, data: Any, where: str, name: str) -> Any:
     if not isinstance(data, dict):
         raise CostModelError(f"{where}: must be a mapping, got {type(data).__name__}")
+    valid = {f.name for f in fields(cls)} - {"name"}
+    unknown = sorted(set(data) - valid)
+    if unknown:  # e.g. an old price catalog's memory_gb: say which fields this schema has
+        raise CostModelError(f"{where}.{unknown[0]}: unknown field; valid: {', '.join(sorted(valid))}")
     try:
         return cls(name=name, **data)
     except CostModelError as e:
@@ -193,14 +214,36 @@ def model_from(data: Any, where: str = "model", name: str | None = None) -> Mode
     return _build(ModelShape, data, where, nm)
 
 
-@lru_cache(maxsize=4)
+def _line_price(entry: Any, where: str) -> float:
+    price = entry.get("price_per_hour") if isinstance(entry, dict) else entry
+    _check(isinstance(price, (int, float)) and not isinstance(price, bool) and price >= 0 and math.isfinite(price),
+           f"{where}.price_per_hour", f"must be a number >= 0, got {price!r}")
+    return float(price)
+
+
+@lru_cache(maxsize=8)
 def load_catalog(path: str | Path = CATALOG_PATH) -> Catalog:
+    """The catalog in `path` (default: the shipped one). The one reader of chip entries: a user's
+    own catalog (`--catalog`, a scenario's `catalog:`) comes in here too, and `Catalog.merged`
+    adds it to the shipped one. Errors name the file and the entry."""
     import yaml
 
-    doc = yaml.safe_load(Path(path).read_text())
-    chips = {n: chip_from(s, f"chips.{n}", n) for n, s in (doc.get("chips") or {}).items()}
-    models = {n: model_from(s, f"models.{n}", n) for n, s in (doc.get("models") or {}).items()}
-    return Catalog(chips, models)
+    try:
+        doc = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise CostModelError(f"{path}: cannot read the catalog: {e}") from None
+    try:
+        if not isinstance(doc, dict):
+            raise CostModelError("must hold a mapping (chips, models, links)")
+        parts = {k: doc.get(k) or {} for k in ("chips", "models", "links")}
+        for k, v in parts.items():
+            _check(isinstance(v, dict), k, f"must map names to entries, got {type(v).__name__}")
+        chips = {str(n): chip_from(s, f"chips.{n}", str(n)) for n, s in parts["chips"].items()}
+        models = {str(n): model_from(s, f"models.{n}", str(n)) for n, s in parts["models"].items()}
+        links = {str(n): _line_price(s, f"links.{n}") for n, s in parts["links"].items()}
+    except CostModelError as e:
+        raise CostModelError(f"{path}: {e}") from None
+    return Catalog(chips, models, links, str(path))
 
 
 # ---------------------------------------------------------------- the roofline

@@ -5,13 +5,14 @@ An emulating engine runs the real forward pass, then waits until the step time t
 began: Dynamo's mocker and SGLang's simulator pace the same way, but emit fake tokens; ours keeps
 the real ones, so the master invariant (token-identical greedy output) stays testable.
 
-Slow motion: `time_scale` multiplies every modeled duration (and, through the config, every link
-delay and cross-site timeout), so the real CPU work of a step is a small share of its modeled
-time; reported times divide it back. A step whose real work took longer than its modeled time is
-an *overrun*: counted per step kind (a decode step is not a prefill chunk), never hidden, since
-past a few percent the run measures this machine's CPU again.
+Slow motion (clock.py): the pacer holds each step for its modeled time on the graph's `Clock`, so
+the real CPU work of a step is a small share of it. A step whose real work took longer than its
+modeled time is an *overrun*: counted per step kind (a decode step is not a prefill chunk), never
+hidden, since past a few percent the run measures this machine's CPU again.
 
-Pure: no Ray, no torch. The pacer takes its clock and sleep, so tests drive it with a fake clock.
+The config only names each role's chips (`PDDConfig.emulate_for`); `build_emulation` builds them.
+
+Pure: no Ray, no torch. The pacer takes its timer and sleep, so tests drive it with a fake clock.
 """
 
 from __future__ import annotations
@@ -22,28 +23,30 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdd_serve.config import MEM_RESERVE_FRACTION, PDDConfig
+from pdd_serve.emulation.clock import Clock
 from pdd_serve.emulation.costmodel import (
     ChipSpec,
     ModelShape,
     decode_step_time,
     kv_capacity_tokens,
+    load_catalog,
+    model_from,
     prefill_time,
 )
 from pdd_serve.engine.protocol import FORWARD_KINDS, ForwardWork
 
 STEP_KINDS = FORWARD_KINDS  # prefill: any multi-token forward (prefill chunk, extend, resume)
-MEM_RESERVE_FRACTION = 0.1  # HBM kept for activations, graphs, fragmentation (the simulator's default)
 OVERRUN_WARN_SHARE = 0.05  # above this, a run measures the CPU, not the emulated chip
 
 
 @dataclass(frozen=True)
 class Emulation:
-    """One role's emulated accelerator: `tp` chips of `chip` serving `model`, in slow motion."""
+    """One role's emulated accelerator: `tp` chips of `chip` serving `model` (times in emulated seconds)."""
 
     chip: ChipSpec
     model: ModelShape
     tp: int = 1
-    time_scale: float = 1.0
 
     def prefill_s(self, new_tokens: int, cached_tokens: int) -> float:
         """Emulated seconds of one forward over `new_tokens` after `cached_tokens` of context."""
@@ -70,9 +73,27 @@ class Emulation:
     def label(self) -> str:
         return f"{self.model.name} on {self.tp} x {self.chip.name}"
 
-    def params(self) -> dict[str, object]:
-        return {"model": self.model.name, "chip": self.chip.name, "tp": self.tp, "time_scale": self.time_scale,
+    def params(self, clock: Clock) -> dict[str, object]:
+        return {"model": self.model.name, "chip": self.chip.name, "tp": self.tp, "time_scale": clock.time_scale,
                 "kv_bytes_per_token": self.kv_bytes_per_token, "kv_capacity_tokens": self.kv_capacity_tokens}
+
+
+def build_emulation(cfg: PDDConfig, role: str) -> Emulation | None:
+    """One role's emulated accelerator from the graph's `emulate:` (checked at load), None unemulated."""
+    e = cfg.emulate_for(role)
+    if e is None:
+        return None
+    cat = load_catalog()
+    model = model_from(e.model, "emulate.model") if isinstance(e.model, dict) else cat.model(e.model)
+    return Emulation(cat.chip(e.chip), model, e.tp)
+
+
+def kv_scale(cfg: PDDConfig, real_bytes_per_token: int) -> float:
+    """Emulated KV bytes per real KV byte (1 unemulated): what the link, the line's backlog, the
+    bandwidth view and `wan_bytes` count, while the real small blocks cross. One emulated model
+    serves the whole graph (checked at load), so any role's gives it."""
+    e = build_emulation(cfg, "prefill")
+    return e.kv_bytes_per_token / real_bytes_per_token if e is not None else 1.0
 
 
 @dataclass
@@ -85,22 +106,23 @@ class _KindStats:
 
 @dataclass
 class StepPacer:
-    """Holds each engine step to its modeled time: `t0 = begin()` before the forward,
-    `end(kind, t0, modeled_s)` after it (on the engine thread, so imports and extends queued on
-    the event loop never slip into the 'busy device' time)."""
+    """Holds each engine step to its modeled time on the graph's `clock`: `t0 = begin()` before the
+    forward, `end(kind, t0, modeled_s)` after it (on the engine thread, so imports and extends
+    queued on the event loop never slip into the 'busy device' time)."""
 
     emulation: Emulation
-    clock: Callable[[], float] = time.perf_counter
+    clock: Clock = Clock()
+    timer: Callable[[], float] = time.perf_counter
     sleep: Callable[[float], None] = time.sleep
     _stats: dict[str, _KindStats] = field(default_factory=lambda: {k: _KindStats() for k in STEP_KINDS})
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def begin(self) -> float:
-        return self.clock()
+        return self.timer()
 
     def end(self, kind: str, t0: float, modeled_s: float) -> float:
         """Sleep out the rest of the modeled step; returns the real seconds slept."""
-        return self.hold(t0, [(kind, modeled_s, self.clock() - t0)])
+        return self.hold(t0, [(kind, modeled_s, self.timer() - t0)])
 
     def hold(self, t0: float, forwards: list[tuple[str, float, float]]) -> float:
         """One engine call that began at `t0` and ran `forwards` (kind, modeled seconds, real
@@ -113,18 +135,22 @@ class StepPacer:
                 st = self._stats[kind]
                 st.steps += 1
                 st.modeled_s += modeled_s
-                over = real_s - modeled_s * self.emulation.time_scale
+                over = real_s - self.clock.real(modeled_s)
                 if over > 0:
                     st.overruns += 1
                     st.overrun_s += over
                 # each forward takes the longer of its real and its modeled time, as if held on its
                 # own: one that overran does not eat the modeled time of the next in the same call
-                target += max(real_s, modeled_s * self.emulation.time_scale)
-        rest = target - (self.clock() - t0)
+                target += max(real_s, self.clock.real(modeled_s))
+        rest = target - (self.timer() - t0)
         if rest > 0:
             self.sleep(rest)
             return rest
         return 0.0
+
+    def params(self) -> dict[str, object]:
+        """What this pacer emulates, and on which clock."""
+        return self.emulation.params(self.clock)
 
     def stats(self) -> dict[str, float]:
         """Per step kind: steps, overruns, overrun share, overrun seconds (real), modeled seconds."""
@@ -139,15 +165,15 @@ class StepPacer:
         return out
 
 
-def overrun_warning(stats: dict[str, float], time_scale: float) -> str | None:
-    """The line a table prints when a run's overrun says it measured the CPU."""
+def overrun_warning(stats: dict[str, float], clock: Clock) -> str | None:
+    """The line a table prints when a run's overrun says it measured the CPU (on `clock`)."""
     bad = [f"{k} {stats.get(f'overrun_share_{k}', 0.0):.1%}" for k in STEP_KINDS
            if stats.get(f"overrun_share_{k}", 0.0) > OVERRUN_WARN_SHARE]
     if not bad:
         return None
     return (f"emulation overrun above {OVERRUN_WARN_SHARE:.0%} ({', '.join(bad)} of steps took longer in real "
             f"time than modeled): these figures measure this machine's CPU; raise time_scale "
-            f"(now {time_scale:g}, try {time_scale * 2:g})")
+            f"(now {clock.time_scale:g}, try {clock.slower().time_scale:g})")
 
 
 def merge_stats(parts: list[dict[str, float]]) -> dict[str, float]:

@@ -9,13 +9,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-_EXPORTS: dict[str, str] = {
+EXPORTS: dict[str, str] = {
     "Engine": "engine",
     "Sequence": "engine",
     "SamplingParams": "sampling",
     "RequestError": "sampling",
-    "EngineWorker": "scheduler",
-    "StepOutput": "scheduler",
+    "EngineWorker": "worker",
+    "StepOutput": "worker",
     "RadixCache": "radix_cache",
     "PrefixMatch": "radix_cache",
     "CacheStats": "radix_cache",
@@ -29,7 +29,7 @@ _EXPORTS: dict[str, str] = {
     "CheckpointError": "model",
 }
 
-__all__ = [  # the keys of _EXPORTS (a literal, so linters and IDEs see it)
+__all__ = [  # the keys of EXPORTS (a literal, so linters and IDEs see it)
     "BlockPool", "CacheStats", "CheckpointError", "Engine", "EngineWorker", "KVBlocks", "KVError", "KVLayout",
     "ModelArgs", "OutOfBlocksError", "PoolFullError", "PrefixMatch", "RadixCache", "RequestError",
     "SamplingParams", "Sequence", "StepOutput",
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    mod = _EXPORTS.get(name)
+    mod = EXPORTS.get(name)
     if mod is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)

@@ -33,7 +33,7 @@ from pdd_serve.engine.kv import (
     num_full_blocks,
 )
 from pdd_serve.engine.model import AttnContext, LlamaModel, ModelArgs, load_model
-from pdd_serve.engine.protocol import ForwardWork
+from pdd_serve.engine.protocol import EngineBase, ForwardWork
 from pdd_serve.engine.radix_cache import PrefixMatch, RadixCache
 from pdd_serve.engine.sampling import RequestError, SamplingParams, sample
 
@@ -103,7 +103,7 @@ def _default_dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
 
 
-class Engine:
+class Engine(EngineBase):
     def __init__(self, model: LlamaModel, *, device: str = "cpu", block_size: int = 16,
                  kv_cache_bytes: int = 256 << 20, prefix_cache_bytes: int | None = None,
                  enable_prefix_cache: bool = True) -> None:
@@ -516,19 +516,11 @@ class Engine:
 
     # ------------------------------------------------------------ convenience
 
-    def generate(self, prompt_token_ids: list[int], max_tokens: int, temperature: float = 0.0,
-                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                 stop_token_ids: list[int] | None = None, use_cache: bool = True) -> list[int]:
-        """Single-request generate: the reference every pipeline must match token for token."""
-        params = SamplingParams(max_tokens, temperature, top_p, top_k, seed, tuple(stop_token_ids or ()))
-        seq = self.add("generate", prompt_token_ids, params)
-        try:
-            self.prefill(seq, use_cache=use_cache)
-            while not seq.finished:
-                self.decode_step([seq])
-            return seq.output_ids
-        finally:
-            self.release(seq)
+    def run_to_end(self, seq: Sequence, use_cache: bool = True) -> None:
+        """`generate`'s request (EngineBase): its prompt, then one decode step at a time."""
+        self.prefill(seq, use_cache=use_cache)
+        while not seq.finished:
+            self.decode_step([seq])
 
     def generate_batch(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Continuous batching over many requests: all decode together, each leaves when done."""
@@ -560,17 +552,14 @@ class Engine:
                 self.release(s)
 
     def warmup(self) -> None:
-        """One small prefill, extend and decode so the first real request pays no first-call costs."""
-        vocab = self.args.vocab_size
-        seq = self.add("warmup", [i % vocab for i in range(3, 3 + 2 * self.block_size)], SamplingParams(4, ignore_eos=True))
+        """One small prefill, extend and decode so the first real request pays no first-call costs
+        (the extend's too: EngineBase's short generate would not run one)."""
+        seq = self.add("warmup", self.warmup_prompt(), SamplingParams(4, ignore_eos=True))
         self.prefill(seq, use_cache=False)
         self.extend(seq, [seq.token_ids[-1]])
         self.decode_step([seq])
         seq.finish_reason = "abort"
         self.release(seq, cache=False)
-
-    def kv_bytes(self, num_tokens: int) -> int:
-        return num_tokens * self.layout.bytes_per_token
 
 
 __all__ = ["Engine", "Sequence", "SamplingParams", "RequestError", "OutOfBlocksError", "PoolFullError"]

@@ -1,9 +1,33 @@
 """The engine seam: what PDD's deployments need from an engine, as one typed protocol.
 
 Prefill, Relay and Main decode (and `EngineWorker`, which batches decode for them) speak only
-`EngineBackend`; `tests/test_layout.py` checks that they touch nothing else. Our torch `Engine` is
-the reference implementation; an engine users already run (vLLM, issue 22) goes behind the same
-protocol, with its KV moved in our block format (`export_kv` / `import_kv`).
+`EngineBackend`; `tests/test_layout.py` checks that they touch nothing else. Our torch `Engine`
+(engine.py) is the reference implementation; vLLM (vllm/engine.py) goes behind the same protocol,
+with its KV moved in our block format. Every call runs on the engine's one thread.
+
+The primitives, by what a request goes through:
+
+  admit        add(request_id, prompt, params, prompt_hashes)  -> Sequence; PoolFullError if
+               its KV can't fit now
+               hash_chain(seq, num_tokens)     PDD's block identity: the chained hashes PDD routes on
+               match_prefix(seq, max_blocks)   adopt the longest cached prefix (main decode's DRC)
+  compute      prefill(seq, use_cache, chunk_tokens, on_chunk)  the prompt's KV and first token
+               extend(seq, token_ids, sample)  one forward over committed ids (the token-id handoff)
+               append_tokens(seq, token_ids)   tokens whose KV is not computed yet (relay's first)
+               step(seqs)                      one batched decode step, preempting and resuming
+  move KV      export_kv(seq, start, end)      blocks out, in PDD's format (`KVBlocks`)
+               import_kv(seq, blocks, verify)  received blocks in, as computed KV
+               check_context(seq)              the blocks that are not this request's context
+               reset_kv(seq)                   drop the KV: the next extend recomputes it
+  finish       release(seq, cache)             free the blocks (offered to the prefix cache)
+  serve        warmup()                        pay the first-call costs before serving
+  read         block_size, layout, pool (free/total blocks), cache (the prefix cache's view, or
+               None), on_forward (each forward reported as `ForwardWork`), preemptions,
+               context_mismatches, failed (why the engine can no longer serve, or None)
+
+`EngineBase` builds the rest once on top of these: the single-request reference `generate`
+(admit, run to the end, release whatever happens), the default `warmup` and `kv_bytes`; an
+engine adds `run_to_end` and its own `generate_batch`.
 
 Emulated chips sit *above* the seam (`emulation.PacedEngine`): an engine only reports each forward
 it ran (`on_forward(ForwardWork)`: what kind, how many sequences and tokens, how much context,
@@ -127,6 +151,45 @@ class EngineBackend(Protocol):
         """Run the first-call costs (kernels, allocations) before serving."""
 
 
+class EngineBase:
+    """What every engine builds the same way on the protocol's primitives. A subclass implements
+    the primitives, `run_to_end` and `generate_batch` (its own batching)."""
+
+    block_size: int
+    layout: KVLayout
+    args: Any  # the model's shape (`ModelArgs`): vocab_size
+
+    def run_to_end(self, seq: Sequence, use_cache: bool = True) -> None:
+        """Compute an admitted request's prompt and decode it until it finishes."""
+        raise NotImplementedError
+
+    def generate(self, prompt_token_ids: list[int], max_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                 stop_token_ids: list[int] | None = None, use_cache: bool = True) -> list[int]:
+        """Single-request generate: the reference every pipeline must match token for token."""
+        from pdd_serve.engine.sampling import SamplingParams
+
+        params = SamplingParams(max_tokens, temperature, top_p, top_k, seed, tuple(stop_token_ids or ()))
+        seq = self.add("generate", prompt_token_ids, params)  # type: ignore[attr-defined]
+        try:
+            self.run_to_end(seq, use_cache)
+            return seq.output_ids
+        finally:
+            self.release(seq)  # type: ignore[attr-defined]
+
+    def warmup_prompt(self) -> list[int]:
+        """Two blocks of token ids any vocabulary holds (from 3: past the special tokens)."""
+        vocab = self.args.vocab_size
+        return [i % vocab for i in range(3, 3 + 2 * self.block_size)]
+
+    def warmup(self) -> None:
+        """Run the first-call costs (kernels, allocations) before serving: one short request."""
+        self.generate(self.warmup_prompt(), 4)
+
+    def kv_bytes(self, num_tokens: int) -> int:
+        return num_tokens * self.layout.bytes_per_token
+
+
 def engine_members() -> frozenset[str]:
     """Every name the protocol defines: what the serving layer may use of an engine."""
     names: set[Hashable] = set(EngineBackend.__annotations__)
@@ -134,4 +197,4 @@ def engine_members() -> frozenset[str]:
     return frozenset(str(n) for n in names)
 
 
-__all__ = ["CacheView", "EngineBackend", "FORWARD_KINDS", "ForwardWork", "PoolView", "engine_members"]
+__all__ = ["CacheView", "EngineBackend", "EngineBase", "FORWARD_KINDS", "ForwardWork", "PoolView", "engine_members"]

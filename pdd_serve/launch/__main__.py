@@ -2,6 +2,6 @@
 
 import sys
 
-from pdd_serve.launch.configs import main
+from pdd_serve.launch.cli import main
 
 sys.exit(main())

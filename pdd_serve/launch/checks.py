@@ -14,17 +14,16 @@ user. So, for the local (on-prem) provider:
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from pdd_serve.launch.configs import graph_demands, load_yaml, resolve_graph
 
 SSH_OPTS = ("-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
             "-o", "IdentitiesOnly=yes", "-o", "LogLevel=ERROR")
@@ -97,11 +96,9 @@ def _expected(cfg: dict[str, Any]) -> dict[str, dict[str, str]]:
 def md_cert_names(config_path: str | Path) -> list[str]:
     """What main decode's TLS certificate must name: the graph's flight.tls_server_name when set (cloud:
     autoscaled addresses are unknown), else the local provider's site-b host addresses."""
-    from pdd_serve.launch.configs import _load_yaml, _resolve_graph, graph_demands
-
     path = Path(config_path)
-    config = _load_yaml(path)
-    cfg, _ = graph_demands(_resolve_graph(path, None, config))
+    config = load_yaml(path)
+    cfg, _ = graph_demands(resolve_graph(path, None, config))
     if cfg.flight.tls_server_name:
         return [cfg.flight.tls_server_name]
     if (config.get("provider") or {}).get("type") != "local":
@@ -137,7 +134,7 @@ def missing_nodes(expected: dict[str, dict[str, str]], nodes: list[dict[str, Any
         if wrong:
             out.append(f"{host}: joined without " + ", ".join(f"{k}={v}" for k, v in wrong.items())
                        + f" (has {n['labels'] or 'no labels'}): its `ray start` must pass `--labels` "
-                         "(launch_configs node-args)")
+                         "(python -m pdd_serve.launch node-args)")
     return out
 
 
@@ -162,45 +159,6 @@ def wait_nodes(config_path: str | Path, timeout_s: float = 300.0, address: str =
         f"after {timeout_s:.0f}s the cluster is not the config's:\n  " + "\n  ".join(problems)
         + "\nA worker is started by the head's autoscaler over ssh: read its log with "
           f"`ray exec {config_path} 'tail -n 80 /tmp/ray/session_latest/logs/monitor.out'`")
-
-
-def run_cli(args: argparse.Namespace) -> int:
-    """`python -m pdd_serve.launch render|preflight|wait-nodes` (argparse is there)."""
-    from pdd_serve.launch.configs import LaunchConfigError, _load_yaml
-    from pdd_serve.launch.template import rendered
-
-    try:
-        if args.cmd == "render":
-            drift = []
-            for c in args.configs:
-                want = rendered(c, _load_yaml(Path(c)))
-                if Path(c).read_text() != want:
-                    drift.append(c)
-                    if not args.check:
-                        Path(c).write_text(want)
-            verb = "differs from metadata.pdd.launch (run render without --check)" if args.check else "rewritten"
-            for c in drift:
-                print(f"{c}: {verb}", file=sys.stderr if args.check else sys.stdout)
-            return 1 if (args.check and drift) else 0
-        if args.cmd == "secrets":
-            from pdd_serve.launch.keys import make_secrets
-
-            made = make_secrets(args.out, md_cert_names(args.config))
-            print(f"{args.out}: " + (f"made {', '.join(made)}" if made else "complete, nothing made"))
-            return 0
-        if args.cmd == "preflight":
-            problems = preflight(args.config, args.timeout)
-            for p in problems:
-                print(f"error: {p}", file=sys.stderr)
-            if not problems:
-                print(f"{args.config}: every host answers ssh")
-            return 1 if problems else 0
-        nodes = wait_nodes(args.config, args.timeout)
-        print(json.dumps({"nodes": nodes, "sites": sorted({n["labels"].get("pdd.site", "") for n in nodes})}))
-        return 0
-    except (LaunchCheckError, LaunchConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
 
 
 __all__ = ["LaunchCheckError", "missing_nodes", "node_table", "preflight", "ssh_problem", "wait_nodes"]

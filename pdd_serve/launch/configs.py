@@ -23,24 +23,22 @@ in order, stopping at the first problem with a message that names the file and t
 4. The generated setup and start commands (`pdd_serve/launch/template.py`) match the file's
    `metadata.pdd.launch`: every provider runs the same commands.
 
-`python -m pdd_serve.launch validate FILE...` runs it from a shell; `secrets CONFIG` makes
-`.pdd/launch` (launch_secrets.py); `render FILE...` rewrites
+`python -m pdd_serve.launch validate FILE...` (cli.py) runs it from a shell; `secrets CONFIG` makes
+`.pdd/launch` (keys.py); `render FILE...` rewrites
 the generated commands (`--check`: say which file drifted); `node-args CONFIG` prints
 `--labels=... --resources=... --node-ip-address=...` for this host from an on-prem config's
 metadata (the on-prem start commands use it); `preflight CONFIG` checks, before `ray up`, that
-every host answers ssh with the config's key (`launch_checks.py`); `wait-nodes CONFIG`, on the
+every host answers ssh with the config's key (checks.py); `wait-nodes CONFIG`, on the
 head after `ray up`, waits until every host has joined with its site label.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import ipaddress
 import json
 import re
 import socket
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -172,7 +170,7 @@ def _shown(p: Path) -> str:
 # ---- loading ----------------------------------------------------------------------------------
 
 
-def _load_yaml(path: Path) -> dict[str, Any]:
+def load_yaml(path: Path) -> dict[str, Any]:
     try:
         doc = yaml.safe_load(path.read_text())
     except OSError as e:
@@ -308,7 +306,7 @@ def _local_node_types(path: Path, config: dict[str, Any]) -> list[NodeType]:
                                 f"{SITE_LABEL} label")
     for key in ("head_start_ray_commands", "worker_start_ray_commands"):
         cmds = " ".join(config.get(key) or [])
-        if cmds and "launch_configs node-args" not in cmds and "--labels" not in cmds:
+        if cmds and "pdd_serve.launch node-args" not in cmds and "--labels" not in cmds:
             raise LaunchConfigError(path, key, f"no `--labels` (or `python -m pdd_serve.launch node-args`): "
                                                f"these nodes would start without a {SITE_LABEL} label")
     return out
@@ -317,7 +315,7 @@ def _local_node_types(path: Path, config: dict[str, Any]) -> list[NodeType]:
 # ---- the graph ----------------------------------------------------------------------------------
 
 
-def _resolve_graph(path: Path, graph: str | Path | None, config: dict[str, Any]) -> Path:
+def resolve_graph(path: Path, graph: str | Path | None, config: dict[str, Any]) -> Path:
     where = f"{_META}.graph"
     if graph is None:
         graph = ((config.get("metadata") or {}).get("pdd") or {}).get("graph")
@@ -341,7 +339,7 @@ def _site_of(role: str, cfg: PDDConfig) -> tuple[str, str]:
 def graph_demands(graph_path: str | Path) -> tuple[PDDConfig, list[Demand]]:
     """The deployments a graph YAML builds, each with its site and per-replica resources."""
     gp = Path(graph_path)
-    doc = _load_yaml(gp)
+    doc = load_yaml(gp)
     apps = doc.get("applications")
     if not isinstance(apps, list) or not apps or not isinstance(apps[0], dict):
         raise LaunchConfigError(gp, "applications", "expected a list of {import_path, args, deployments}")
@@ -566,7 +564,7 @@ def validate_cluster_config(path: str | Path, graph: str | Path | None = None) -
     `graph` overrides `metadata.pdd.graph`. Raises LaunchConfigError (`FILE: FIELD: problem`).
     """
     path = Path(path)
-    config = _load_yaml(path)
+    config = load_yaml(path)
     _check_ray_schema(path, config)
     _check_ray_prepare(path, config)
     provider = config["provider"]["type"]
@@ -576,7 +574,7 @@ def validate_cluster_config(path: str | Path, graph: str | Path | None = None) -
         if not config.get("available_node_types"):
             raise LaunchConfigError(path, "available_node_types", "missing: PDD needs a node type per site")
         flavor, types = "available_node_types", _cloud_node_types(path, config)
-    graph_path = _resolve_graph(path, graph, config)
+    graph_path = resolve_graph(path, graph, config)
     cfg, demands = graph_demands(graph_path)
     _check_flight(graph_path, cfg)
     usage, warnings = _fit(path, graph_path, flavor, types, demands, cfg)
@@ -622,7 +620,7 @@ def node_args(config_path: str | Path, ip: str | None = None) -> list[str]:
     resources (CPU/GPU are left to Ray's detection). `ip` names the host; default: whichever listed
     address is local."""
     path = Path(config_path)
-    config = _load_yaml(path)
+    config = load_yaml(path)
     if (config.get("provider") or {}).get("type") != "local":
         raise LaunchConfigError(path, "provider.type", "node-args is for the local (on-prem) provider; cloud node "
                                                        "types get their labels from available_node_types")
@@ -640,52 +638,6 @@ def node_args(config_path: str | Path, ip: str | None = None) -> list[str]:
     raise LaunchConfigError(path, f"{_META}.node_types",
                             f"host {ip} is in no node type's hosts" if ip else
                             "none of this host's addresses is in a node type's hosts (pass --ip)")
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pdd_serve.launch", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    v = sub.add_parser("validate", help="check cluster YAMLs against Ray's schema and their PDD graph")
-    v.add_argument("configs", nargs="+")
-    v.add_argument("--graph", default=None, help="graph YAML to check against (default: metadata.pdd.graph)")
-    n = sub.add_parser("node-args", help="print this host's `ray start --labels/--resources` from an on-prem config")
-    n.add_argument("config")
-    n.add_argument("--ip", default=None, help="this host's address as listed (default: detect)")
-    r = sub.add_parser("render", help="rewrite the generated setup/start commands from metadata.pdd.launch")
-    r.add_argument("configs", nargs="+")
-    r.add_argument("--check", action="store_true", help="write nothing; exit 1 naming each file that differs")
-    f = sub.add_parser("preflight", help="before `ray up` (local provider): every host answers ssh with the config's key")
-    f.add_argument("config")
-    f.add_argument("--timeout", type=float, default=10.0, help="seconds per host (default 10)")
-    w = sub.add_parser("wait-nodes", help="on the head after `ray up`: wait until every listed host joined with its "
-                                          "labels; prints them as JSON")
-    w.add_argument("config")
-    w.add_argument("--timeout", type=float, default=300.0, help="seconds (default 300)")
-    k = sub.add_parser("secrets", help="make what .pdd/launch lacks: Ray and Flight tokens, API keys, Flight TLS "
-                                       "for site b's hosts (or the graph's flight.tls_server_name)")
-    k.add_argument("config")
-    k.add_argument("--out", default=".pdd/launch", help="directory (default .pdd/launch, what the configs mount)")
-    args = p.parse_args(argv)
-    if args.cmd in ("render", "preflight", "wait-nodes", "secrets"):
-        from pdd_serve.launch import checks as launch_checks
-
-        return launch_checks.run_cli(args)
-    if args.cmd == "node-args":
-        try:
-            print(" ".join(node_args(args.config, args.ip)))
-        except LaunchConfigError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-        return 0
-    rc = 0
-    for c in args.configs:
-        try:
-            print("\n".join(validate_cluster_config(c, args.graph).summary()))
-        except LaunchConfigError as e:
-            print(f"error: {e}", file=sys.stderr)
-            rc = 1
-    return rc
 
 
 __all__ = ["ClusterCheck", "Demand", "LaunchConfigError", "NodeType", "graph_demands", "node_args", "ray_schema",

@@ -16,7 +16,7 @@ types, `metadata.pdd`) and, below `GENERATED_MARK`, a tail rendered from its
   worker_torch_args: added to the workers' torch install
   extra_packages:    head only: what the provider's autoscaler imports (boto3, google-api-python-client)
   node_args:         true for the local provider: labels, resources and the node's address come from
-                     `metadata.pdd.node_types` via `launch_configs node-args` (one node type only)
+                     `metadata.pdd.node_types` via `python -m pdd_serve.launch node-args` (one node type only)
   ray_start_args:    added to every `ray start` (e.g. a smaller --object-store-memory)
   python:            the interpreter that makes the venv (default python3)
 """

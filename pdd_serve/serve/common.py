@@ -1,4 +1,4 @@
-"""What every deployment does the same way: threads, engine construction, site pinning."""
+"""What every deployment does the same way: threads, engine construction, the graph's link, site pinning."""
 
 from __future__ import annotations
 
@@ -6,10 +6,12 @@ import logging
 from typing import TYPE_CHECKING
 
 from pdd_serve.config import ModelConfig, PDDConfig
+from pdd_serve.emulation.clock import Clock
+from pdd_serve.emulation.pacer import Emulation, PacedEngine, StepPacer, kv_scale
 from pdd_serve.engine.protocol import EngineBackend
+from pdd_serve.transport.link import LinkModel
 
 if TYPE_CHECKING:  # engines load in the engine roles only: a Router replica never imports torch
-    from pdd_serve.emulation.pacer import Emulation
     from pdd_serve.engine.engine import Sequence
 
 logger = logging.getLogger("pdd_serve")
@@ -18,18 +20,18 @@ SITE_LABEL = "pdd.site"
 
 
 def load_engine(model: ModelConfig, enable_prefix_cache: bool = True, threads: int = 1,
-                emulation: Emulation | None = None) -> EngineBackend:
+                emulation: Emulation | None = None, clock: Clock = Clock()) -> EngineBackend:
     """Each replica gets a thread budget: several replicas share few cores on one machine.
 
     `model` is the role's effective config (`PDDConfig.engine_for(role)`); its `threads`, when the
     graph sets it (`model.threads` or `engines.<role|site>.threads`), wins over the role's default.
-    With an `emulation` (`PDDConfig.emulation_for(role)`) every forward is paced to the emulated
-    chip and the KV pool holds what the emulated chips hold (in real blocks of the small model),
-    capped by `kv_cache_bytes`: nothing allocates gigabytes because a chip has them."""
+    With an `emulation` (`emulation.pacer.build_emulation(cfg, role)`) every forward is paced to the
+    emulated chip on the graph's `clock` (slow motion), and the KV pool holds what the emulated
+    chips hold (in real blocks of the small model), capped by `kv_cache_bytes`: nothing allocates
+    gigabytes because a chip has them."""
     import torch
 
     from pdd_serve.checkpoints import resolve_model
-    from pdd_serve.emulation.pacer import PacedEngine, StepPacer
     from pdd_serve.engine.engine import Engine
     from pdd_serve.engine.kv import KVLayout, dtype_name
 
@@ -71,7 +73,7 @@ def load_engine(model: ModelConfig, enable_prefix_cache: bool = True, threads: i
         )
     engine.warmup()
     if emulation is not None:  # pacing sits above the engine seam; after warmup: its costs are not the chip's
-        return PacedEngine(engine, StepPacer(emulation))
+        return PacedEngine(engine, StepPacer(emulation, clock))
     return engine
 
 
@@ -106,7 +108,17 @@ def emulation_stats(engine: EngineBackend) -> dict:
         return {}
     # the pool admission sees: the emulated chips' KV room, or less when kv_cache_bytes caps it
     pool = {"kv_pool_tokens": engine.pool.num_blocks * engine.block_size}
-    return {"emulation": {**p.stats(), **p.emulation.params(), **pool}}
+    return {"emulation": {**p.stats(), **p.params(), **pool}}
+
+
+def graph_link(cfg: PDDConfig, real_bytes_per_token: int) -> LinkModel:
+    """The inter-site link as this graph paces it: unemulated, scaled to the small model's KV;
+    emulated, the line's own rate on the graph's clock, each real KV byte counted as the emulated
+    model's (`kv_scale`)."""
+    if not cfg.emulated:
+        return LinkModel(cfg.link.line(real_bytes_per_token))
+    return LinkModel(cfg.link.line(real_bytes_per_token, raw=True), clock=Clock(cfg.time_scale),
+                     byte_scale=kv_scale(cfg, real_bytes_per_token))
 
 
 def actor_options(cfg: PDDConfig, site: str, num_cpus: float | None = None) -> dict:

@@ -34,7 +34,7 @@ _END = object()
 STREAM_QUEUE_BOUND = 256
 
 
-def _remote(handle: Any, method: str, session_id: str | None, args: tuple, stream: bool = False) -> Any:
+def remote_call(handle: Any, method: str, session_id: str | None, args: tuple, stream: bool = False) -> Any:
     """`handle.method.remote(*args)`, streaming or not, pinned to a replica when `session_id` names
     one, and a request of its own. Serve gives a child call its parent request's
     internal id, and its request router fulfils a pending call by that id (Ray 2.60): two calls
@@ -71,14 +71,14 @@ class CrossSiteHandle:
 
     async def call(self, method: str, *args: Any, session_id: str | None = None) -> Any:
         await asyncio.sleep(self.delay_s())
-        result = await _remote(self.handle, method, session_id, args)
+        result = await remote_call(self.handle, method, session_id, args)
         await asyncio.sleep(self.delay_s())
         return result
 
     async def stream(self, method: str, *args: Any, session_id: str | None = None) -> AsyncIterator[Any]:
         """A streaming call; closing this generator cancels the remote stream at once."""
         await asyncio.sleep(self.delay_s())
-        gen = _remote(self.handle, method, session_id, args, stream=True)
+        gen = remote_call(self.handle, method, session_id, args, stream=True)
         q: asyncio.Queue = asyncio.Queue(maxsize=STREAM_QUEUE_BOUND)
 
         async def put(item: Any) -> None:  # stamped when it arrived at the far end of the line
@@ -121,10 +121,10 @@ class LocalHandle:
         self.messages = 0
 
     async def call(self, method: str, *args: Any, session_id: str | None = None) -> Any:
-        return await _remote(self.handle, method, session_id, args)
+        return await remote_call(self.handle, method, session_id, args)
 
     def stream(self, method: str, *args: Any, session_id: str | None = None) -> AsyncIterator[Any]:
-        return _remote(self.handle, method, session_id, args, stream=True)
+        return remote_call(self.handle, method, session_id, args, stream=True)
 
 
 def site_handle(handle: Any, same_site: bool, link: Any) -> CrossSiteHandle | LocalHandle:

@@ -11,14 +11,25 @@ from collections.abc import AsyncIterator, Callable
 from ray import serve
 
 from pdd_serve.config import PDDConfig
+from pdd_serve.emulation.clock import Clock
+from pdd_serve.emulation.pacer import build_emulation
 from pdd_serve.engine.engine import Sequence
 from pdd_serve.engine.kv import blocks_needed
 from pdd_serve.engine.worker import EngineWorker
 from pdd_serve.metrics import ReplicaGauges
-from pdd_serve.serve.common import check_engine, emulation_stats, load_engine, logger, placement, take_over
+from pdd_serve.serve.common import (
+    check_engine,
+    emulation_stats,
+    graph_link,
+    load_engine,
+    logger,
+    placement,
+    take_over,
+)
 from pdd_serve.serve.messages import GenRequest, KVReady, MDPrepareReply, MDView, ReplicaStats, TokenChunk
 from pdd_serve.serve.pinning import ROUTER_CLASS, ReplicaGone, check_pin, this_replica
-from pdd_serve.serve.tasks import _spawn
+from pdd_serve.serve.tasks import spawn
+from pdd_serve.transport.base import KVReceiver
 
 
 class MDRequestError(RuntimeError):
@@ -42,8 +53,9 @@ class MainDecode:
     def __init__(self, cfg: PDDConfig, replica: str | None = None) -> None:
         self.cfg = cfg
         self.replica = replica or this_replica()
+        self.clock = Clock(cfg.time_scale)  # slow motion: real seconds waited, emulated ones reported
         self.engine = load_engine(cfg.engine_for("main_decode"), enable_prefix_cache=cfg.policy.drc,
-                                  emulation=cfg.emulation_for("main_decode"))
+                                  emulation=build_emulation(cfg, "main_decode"), clock=self.clock)
         self.worker = EngineWorker(self.engine, cfg.engine_for("main_decode").max_batch)
         self.where = placement()
         self.started_at = time.time()
@@ -151,7 +163,7 @@ class MainDecode:
         if not admit.cancelled() and admit.exception() is None:
             seq, _ = admit.result()
             seq.finish_reason = "abort"
-            _spawn(self.worker.release(seq, cache=False))
+            spawn(self.worker.release(seq, cache=False))
 
     async def wait_kv(self, request_id: str, timeout_s: float) -> KVReady:
         """Wait (bounded) until the prompt's KV has arrived and is loaded."""
@@ -182,7 +194,7 @@ class MainDecode:
 
     async def _receive(self, request_id: str, seq: Sequence) -> KVReady:
         try:
-            got = await self.flight.wait_complete(request_id, self.cfg.real_s(self.cfg.flight.deadline_s))
+            got = await self.flight.wait_complete(request_id, self.clock.real(self.cfg.flight.deadline_s))
             landed = time.perf_counter()  # the stream is complete: the rest is the engine thread's
             # joining the received runs copies the whole delta: on the engine thread, not the event
             # loop; the Flight server verified every block's CRC on arrival, once per hop is enough
@@ -240,11 +252,11 @@ class MainDecode:
                 landed, t1, tok = first[0]
                 if isinstance(tok, BaseException):
                     raise tok
-            ts = self.cfg.time_scale  # reported in emulated seconds
+            emulated = self.clock.emulated  # reported in emulated seconds
             # md_kv_wait_s = the stream's rest after the call landed (md_kv_land_s) + the import's
             # wait for the engine thread and the import itself
-            timings = {"md_kv_wait_s": (t1 - t0) / ts, "md_kv_land_s": max(0.0, landed - t0) / ts,
-                       "md_step_s": (time.perf_counter() - t1) / ts}
+            timings = {"md_kv_wait_s": emulated(t1 - t0), "md_kv_land_s": emulated(max(0.0, landed - t0)),
+                       "md_step_s": emulated(time.perf_counter() - t1)}
             if seq.finish_reason is not None:
                 final = TokenChunk([tok], seq.finish_reason, timings)
             else:
@@ -272,7 +284,7 @@ class MainDecode:
 
     async def absorb(self, request_id: str, output_ids: list[int], timeout_s: float) -> bool:
         """The relay finished a request before the handoff: build the output's KV anyway so MD's
-        DRC stays aligned with P's (PDD.md: both pipelines end at MD)."""
+        DRC stays aligned with P's (docs/pdd.md: both pipelines end at MD)."""
         self._pinned()
         try:
             seq = await self._ready(request_id, timeout_s)
@@ -334,7 +346,7 @@ class MainDecode:
     async def _reap_orphans(self) -> None:
         """Drop requests no router call has touched for a while (a router that gave up on this
         replica, or a client stream cancelled before its abort arrived): nothing leaks."""
-        grace = 2 * self.cfg.real_s(self.cfg.policy.kv_wait_timeout_s)
+        grace = 2 * self.clock.real(self.cfg.policy.kv_wait_timeout_s)
         now = time.monotonic()
         for rid, (_, t) in list(self._aborted.items()):
             if now - t > grace:
@@ -345,7 +357,7 @@ class MainDecode:
 
     async def _reaper(self) -> None:
         while True:
-            await asyncio.sleep(self.cfg.real_s(self.cfg.policy.kv_wait_timeout_s) / 2)
+            await asyncio.sleep(self.clock.real(self.cfg.policy.kv_wait_timeout_s) / 2)
             await self._reap_orphans()
 
     @contextlib.contextmanager
@@ -375,7 +387,7 @@ class MainDecode:
         else:
             self._calls.pop(request_id, None)
 
-    def _new_flight(self):  # -> KVFlightServer
+    def _new_flight(self) -> KVReceiver:
         from pdd_serve.transport.flight import KVFlightServer
 
         fl = self.cfg.flight
@@ -388,8 +400,8 @@ class MainDecode:
         # replica's engine thread. The wait: that dispatch floor plus the line's one-way delay
         # twice (the base delay of the emulated link; a trace's extra delay is not known here),
         # in slow motion when emulated
-        one_way = self.cfg.link_model(self.engine.layout.bytes_per_token).config.one_way_latency_s
-        server.expect_wait_s = self.cfg.real_s(EXPECT_WAIT_FLOOR_S + 2 * one_way)
+        one_way = graph_link(self.cfg, self.engine.layout.bytes_per_token).config.one_way_latency_s
+        server.expect_wait_s = self.clock.real(EXPECT_WAIT_FLOOR_S + 2 * one_way)
         return server
 
     def _seq(self, request_id: str) -> Sequence:
@@ -404,7 +416,7 @@ class MainDecode:
         if request_id not in self.seqs and request_id not in self._aborted:
             ev = self._registered.setdefault(request_id, asyncio.Event())
             try:
-                await asyncio.wait_for(ev.wait(), min(timeout_s, self.cfg.real_s(self.cfg.policy.kv_wait_timeout_s)))
+                await asyncio.wait_for(ev.wait(), min(timeout_s, self.clock.real(self.cfg.policy.kv_wait_timeout_s)))
             except asyncio.TimeoutError:
                 pass
             finally:  # also when the caller went away (a cancelled stream)

@@ -1,12 +1,43 @@
-"""The Router's orchestration of one request through P, RLD and MD (DESIGN.md, handoff contract).
+"""The Router's orchestration of one request through P, RLD and MD (docs/design.md, a request's life).
 
 The router is the source of truth for what the client has seen: `committed` holds every token
 yielded so far, and a decoder's token reaches `committed` only when it is yielded. At a handoff
 MD gets exactly `committed` (token ids, never KV) and continues from there, so no token is lost
 or repeated whichever side produced it.
 
+A request's life (`run`), each step with the call that takes it:
+
+  1. decide, with no round trip: the prompt's block-hash chain (carried from the Router's parse);
+     the MD that costs least, the blocks it lacks on the line plus its load, from the router's
+     view of every MD's cache (`MDIndex`, `pick_md`); the block MD will receive from (whole cache
+     units); the pipeline from the KV MD lacks, the line's backlog and the relay pool's load
+     (`choose_pipeline`): P->MD, P->RLD->MD, or P->RLD (anomalous traffic: a long prompt, a short
+     answer).
+  2. prepare MD, alongside the prefill: `md_prepare` registers the request at MD and says which
+     blocks it really lacks (with no view of that MD, it is asked first: `_prepare_now`). The
+     transfer enters this router's ledger of the line (`wan`).
+  3. prefill at site A: `_prefill` (retried on another replica) computes the prompt's KV and the
+     first token; the KV streams to MD over Flight from the planned block, and for the relay
+     pipelines a copy goes to the object store for RLD. Where MD's answer shows the view was
+     stale, P resends what MD lacks (`_settle_prepare`); with `late_relay`, a P->MD request whose
+     real delta turned out large may still take the relay.
+  4. decode, token ids only ever moving between decoders:
+     - P->MD: MD waits for the KV and streams (`_from_md_recovering`: a lost MD hands the request
+       to another, `_redeliver`; with none left, RLD finishes it, `_relay_takeover`);
+     - P->RLD: RLD decodes to the end (`_from_relay_recovering`: a lost relay hands it to an MD);
+     - P->RLD->MD (`_relay_then_md`): RLD decodes at once while the KV crosses (phase 1); then
+       committed tokens go to MD in one shot or in catch-up batches while RLD goes on (phase 2);
+       then RLD is cut and MD extends over the rest and goes on (phase 3). RLD lost before the
+       cut: MD takes over; the KV late: RLD finishes alone.
+  5. end: the finish reason; MD absorbs a request RLD finished, so its cache stays aligned with
+     the router's view; an early end (a stop string, the client gone) aborts every decoder at
+     once; cleanups run in the background (`bg`), each bounded by the KV wait.
+
+Every fallback is recorded (`info.fallbacks`) and loses no token; a refusal for capacity anywhere
+(every pool full, Prefill busy) ends as `Overloaded`, the Router's 503 with Retry-After.
+
 Backends are Serve deployment handles in production; anything with the same async methods
-works (the unit tests drive this with in-process fakes).
+works (the unit tests drive this with in-process fakes: tests/serve/inprocess.py).
 """
 
 from __future__ import annotations
@@ -19,6 +50,7 @@ from dataclasses import replace
 from typing import Any, TypeVar
 
 from pdd_serve.config import PDDConfig
+from pdd_serve.emulation.clock import Clock
 from pdd_serve.engine.blocks import blocks_needed
 from pdd_serve.engine.sampling import RequestError
 from pdd_serve.policy import LinkEstimate, catchup_done, choose_pipeline, pick_md, plan_handoff, wan_backlog
@@ -34,17 +66,17 @@ from pdd_serve.serve.messages import (
     RelayRequest,
     TokenChunk,
 )
-from pdd_serve.serve.relay_reader import _RelayReader
+from pdd_serve.serve.relay_reader import RelayReader
 from pdd_serve.serve.request_state import (
     Overloaded,
     RelayLost,
     RequestState,
-    _prompt_hashes,
-    _relay_fault,
     is_overloaded,
     is_request_error,
+    prompt_hashes,
+    relay_fault,
 )
-from pdd_serve.serve.tasks import _follow, _spawn
+from pdd_serve.serve.tasks import follow_replicas, spawn
 
 T = TypeVar("T")
 # a prefill call reaches its replica (same site) within this of the decision; one that a retry
@@ -65,24 +97,24 @@ class Orchestrator:
         self.wan: dict[str, tuple[int, float]] = {}
         self.relay_running = 0  # relay streams this router holds (its stats; the pool's load decides)
         self.bg: set[asyncio.Task] = set()  # fire-and-forget cleanups, kept referenced
+        self.clock = Clock(cfg.time_scale)  # slow motion: real seconds waited, emulated ones reported
         # every cross-site wait, in real seconds: scaled once here (MD takes the Router's value)
-        self.timeout = cfg.real_s(cfg.policy.kv_wait_timeout_s)
-        self.time_scale = cfg.time_scale
+        self.timeout = self.clock.real(cfg.policy.kv_wait_timeout_s)
         self.fallbacks: dict[str, int] = {}  # by kind, for metrics and the soak
         self.watchers: dict[MDKey, asyncio.Task] = {}
         self.index_misses = 0  # requests whose MD held less than the router's view said
         period = cfg.policy.drc_view_period_s
-        # a view poll crosses the line twice: in slow motion that takes time_scale times longer
-        self.index = MDIndex(max_age_s=max(3.0, 20 * period) + cfg.real_s(2 * link.latency_s),
-                             settle_s=period + cfg.real_s(2 * link.latency_s) + 0.05)
+        # a view poll crosses the line twice: in slow motion that takes longer in real time
+        self.index = MDIndex(max_age_s=max(3.0, 20 * period) + self.clock.real(2 * link.latency_s),
+                             settle_s=period + self.clock.real(2 * link.latency_s) + 0.05)
 
     def _now(self) -> float:
-        """The emulated clock (real seconds / time_scale): what the line's backlog ages on."""
-        return time.monotonic() / self.time_scale
+        """The monotonic clock in emulated seconds: what the line's backlog ages on."""
+        return self.clock.emulated(time.monotonic())
 
     def _since(self, t0: float) -> float:
         """Emulated seconds since real monotonic time t0: every duration a response reports."""
-        return (time.monotonic() - t0) / self.time_scale
+        return self.clock.emulated(time.monotonic() - t0)
 
     # ------------------------------------------------------------ entry point
 
@@ -92,7 +124,7 @@ class Orchestrator:
         gen, info, pol = st.gen, st.info, self.cfg.policy
         prompt = list(gen.prompt_token_ids)
         bs = self.cfg.model.block_size
-        hashes, nblocks = _prompt_hashes(gen, bs), blocks_needed(len(prompt), bs)
+        hashes, nblocks = prompt_hashes(gen, bs), blocks_needed(len(prompt), bs)
         if not self.index.ready:  # only before the first view: one round trip, once per router
             await self.refresh_views()
         statuses = [self.index.status(i, hashes) for i in self.md_replicas()]
@@ -116,7 +148,7 @@ class Orchestrator:
             location = self.index.flight_location(md)
             if dec.pipeline != "P-RLD" and location is not None:
                 # MD's prepare runs concurrently with prefill; Prefill sends from the planned block
-                prep = _spawn(self._bounded(self.b.md_prepare(md, gen, planned), "MD prepare"))
+                prep = spawn(self._bounded(self.b.md_prepare(md, gen, planned), "MD prepare"))
                 target = KVTarget(location, planned)
             elif dec.pipeline != "P-RLD":  # no view of this MD (yet): ask first, one round trip
                 reply = await self._prepare_now(st, md, statuses)
@@ -208,7 +240,7 @@ class Orchestrator:
                    if self.line_reports and all(p in self.line_reports for p in senders) else None)
         if covered is not None:
             # the slack is real time (a same-site call); the stamps are on the emulated clock
-            for r in [r for r, (_, t) in self.wan.items() if t < covered - _REPORT_SLACK_S / self.time_scale]:
+            for r in [r for r, (_, t) in self.wan.items() if t < covered - self.clock.emulated(_REPORT_SLACK_S)]:
                 del self.wan[r]
         rids = list(self.wan)
         reported = [(b, at) for rep, at in self.line_reports.values() for b in rep.backlog]
@@ -328,7 +360,7 @@ class Orchestrator:
         except Exception as e:  # noqa: BLE001 - whatever the relay raised, the committed ids survive
             if is_request_error(e):
                 raise
-            self._fallback(st, _relay_fault(e), f"{type(e).__name__}: {e}")
+            self._fallback(st, relay_fault(e), f"{type(e).__name__}: {e}")
         del relay
         md = await self._redeliver(st, avoid=None)
         async with contextlib.aclosing(self._from_md_recovering(st, md)) as stream:
@@ -355,7 +387,7 @@ class Orchestrator:
         st.gen = gen = replace(st.gen, attempt=st.gen.attempt + 1)
         prompt = list(gen.prompt_token_ids)
         bs = self.cfg.model.block_size
-        hashes = _prompt_hashes(gen, bs)
+        hashes = prompt_hashes(gen, bs)
         statuses = [self.index.status(i, hashes) for i in self.md_replicas()]
         others = [s for s in statuses if s.index != avoid and s.healthy]
         # no view of any MD (all gone or new): Serve's request router picks the least loaded
@@ -413,7 +445,7 @@ class Orchestrator:
     async def _refresh_view(self, i: MDKey | None) -> None:
         known = None if i is None else self.index.known_version(i)
         try:
-            view = await asyncio.wait_for(self.b.md_view(i, known), timeout=min(self.cfg.real_s(5.0), self.timeout))
+            view = await asyncio.wait_for(self.b.md_view(i, known), timeout=min(self.clock.real(5.0), self.timeout))
         except Exception:  # noqa: BLE001 - an unreachable MD is skipped while another can serve
             if i is not None:
                 self.index.failed(i)
@@ -444,10 +476,10 @@ class Orchestrator:
                 if live is None:  # Serve's request router has not started: one unpinned poll starts it
                     await asyncio.gather(self._refresh_view(None), asyncio.sleep(period))
                     continue
-                _follow(watchers, live, one)
+                follow_replicas(watchers, live, one)
                 self.index.retain(live)
                 ps = self.b.prefill_replicas() or []
-                _follow(senders, ps, line)
+                follow_replicas(senders, ps, line)
                 for i in [i for i in self.line_reports if i not in ps]:
                     del self.line_reports[i]
                 await asyncio.sleep(period)
@@ -458,7 +490,7 @@ class Orchestrator:
     async def _refresh_line(self, i: Hashable) -> None:
         sent = self._now()
         try:
-            rep = await asyncio.wait_for(self.b.line_state(i), timeout=min(self.cfg.real_s(5.0), self.timeout))
+            rep = await asyncio.wait_for(self.b.line_state(i), timeout=min(self.clock.real(5.0), self.timeout))
         except Exception:  # noqa: BLE001 - a lost Prefill replica's report ages out with it
             return
         self.line_reports[rep.replica] = (rep, sent)
@@ -467,16 +499,16 @@ class Orchestrator:
 
     async def _relay_then_md(self, st: RequestState, md: MDKey, kv_ref: Any,
                              forced_mode: str | None) -> AsyncIterator[list[int]]:
-        relay = _RelayReader(self, st, self.b.relay(RelayRequest(st.gen, tuple(st.committed), kv_ref)))
+        relay = RelayReader(self, st, self.b.relay(RelayRequest(st.gen, tuple(st.committed), kv_ref)))
         del kv_ref  # RLD's call holds the object store copy: freed at the cut, while MD decodes on
         self.relay_running += 1
-        kv: asyncio.Future = _spawn(self.b.md_wait_kv(md, st.gen.request_id, self.timeout))
+        kv: asyncio.Future = spawn(self.b.md_wait_kv(md, st.gen.request_id, self.timeout))
         try:
             async with contextlib.aclosing(self._relay_phases(st, md, relay, kv, forced_mode)) as phases:
                 async for toks in phases:
                     yield toks
         except RelayLost as e:  # RLD failed or refused, before the handoff: MD takes the request
-            self._fallback(st, _relay_fault(e), str(e))
+            self._fallback(st, relay_fault(e), str(e))
             await self._end_relay(relay)
             async with contextlib.aclosing(self._from_md_recovering(st, md)) as stream:
                 async for toks in stream:
@@ -486,7 +518,7 @@ class Orchestrator:
                 kv.cancel()
             await self._end_relay(relay)
 
-    async def _relay_phases(self, st: RequestState, md: MDKey, relay: _RelayReader, kv: asyncio.Future,
+    async def _relay_phases(self, st: RequestState, md: MDKey, relay: RelayReader, kv: asyncio.Future,
                             forced_mode: str | None) -> AsyncIterator[list[int]]:
         """Phase 1: eager tokens while the KV crawls to MD; phase 2 (catch-up): batches to MD while
         RLD goes on; phase 3: cut RLD, MD extends and goes on. Raises RelayLost before the cut."""
@@ -518,7 +550,7 @@ class Orchestrator:
             # each batch keeps the last committed token back, the final extend needs its logits
             while mode == "catch-up" and not catchup_done(len(st.committed) - md_has, pol, gap):
                 gap = len(st.committed) - md_has
-                batch = _spawn(self.b.md_handoff_batch(md, rid, st.committed[md_has:-1], self.timeout))
+                batch = spawn(self.b.md_handoff_batch(md, rid, st.committed[md_has:-1], self.timeout))
                 st.info.handoff_batches += 1
                 async for toks in relay.until(batch):
                     yield toks
@@ -552,7 +584,7 @@ class Orchestrator:
             if batch is not None and not batch.done():
                 batch.cancel()
 
-    async def _end_relay(self, relay: _RelayReader) -> None:
+    async def _end_relay(self, relay: RelayReader) -> None:
         if not relay.closed:
             self.relay_running -= 1
             await relay.cut()
@@ -639,7 +671,7 @@ class Orchestrator:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(aw, timeout=self.timeout)
 
-        t = _spawn(run())
+        t = spawn(run())
         self.bg.add(t)
         t.add_done_callback(self.bg.discard)
 

@@ -16,12 +16,14 @@ from concurrent.futures import ThreadPoolExecutor
 from ray import serve
 
 from pdd_serve.config import PDDConfig
+from pdd_serve.emulation.clock import Clock
+from pdd_serve.emulation.pacer import build_emulation, kv_scale
 from pdd_serve.engine.engine import Sequence
 from pdd_serve.engine.kv import KVBlocks, PoolFullError, blocks_needed, num_full_blocks
 from pdd_serve.engine.sampling import RequestError, SamplingParams
 from pdd_serve.engine.worker import EngineWorker
 from pdd_serve.policy import PREFILL_ADMIT_SHARE, PrefillCost, fit_prefill_cost, prefill_admits, wan_backlog
-from pdd_serve.serve.common import check_engine, emulation_stats, load_engine, logger, placement
+from pdd_serve.serve.common import check_engine, emulation_stats, graph_link, load_engine, logger, placement
 from pdd_serve.serve.messages import (
     GenRequest,
     KVTarget,
@@ -67,7 +69,7 @@ class _Stop:
             raise PrefillAbandoned(f"prefill of {request_id} stopped: past the router's budget")
 
 
-class _BlockFeed:
+class BlockFeed:
     """Hands a request's finished blocks from the engine thread to its Flight sender thread."""
 
     def __init__(self, target: KVTarget, fault: tuple[str, float] | None = None, wait_s: float | None = None,
@@ -130,15 +132,16 @@ class _BlockFeed:
 class Prefill:
     def __init__(self, cfg: PDDConfig) -> None:
         self.cfg = cfg
+        self.clock = Clock(cfg.time_scale)  # slow motion: real seconds waited, emulated ones reported
         self.engine = load_engine(cfg.engine_for("prefill"), enable_prefix_cache=True, threads=2,
-                                  emulation=cfg.emulation_for("prefill"))
+                                  emulation=build_emulation(cfg, "prefill"), clock=self.clock)
         self.worker = EngineWorker(self.engine, cfg.engine_for("prefill").max_batch)
         self.where = placement()
         # one link per replica: all of this replica's transfers share its bandwidth
-        self.link = cfg.link_model(self.engine.layout.bytes_per_token)
+        self.link = graph_link(cfg, self.engine.layout.bytes_per_token)
         # emulated: the line carries the emulated model's KV (this many bytes per real byte), on the
         # emulated clock; every byte count and time below that the routers plan with is in those units
-        self.kv_scale = cfg.kv_scale(self.engine.layout.bytes_per_token)
+        self.kv_scale = kv_scale(cfg, self.engine.layout.bytes_per_token)
         # the live line rate the router plans with: transfers that had the line to themselves
         self.bw = BandwidthEstimator(initial_bps=self.link.bandwidth_bps)
         self.sending = 0  # transfers on the line now (sender threads: under _send_lock)
@@ -245,7 +248,7 @@ class Prefill:
             if isinstance(e, asyncio.CancelledError):
                 self.abandoned += 1  # the caller went away before admission: nothing was computed
             raise
-        feed = (_BlockFeed(preq.md_target, self._take_fault("link"), self.cfg.real_s(self.cfg.flight.deadline_s),
+        feed = (BlockFeed(preq.md_target, self._take_fault("link"), self.clock.real(self.cfg.flight.deadline_s),
                            held) if preq.md_target is not None else None)
         die = self._take_fault("die_in_prefill")
         if feed is not None:
@@ -280,7 +283,7 @@ class Prefill:
         finally:
             self.prefilling -= 1
         wan = int(feed.nbytes * self.kv_scale) if feed is not None else 0
-        return PrefillResult(first, finish, seq.prefix_hit_tokens, (time.perf_counter() - t0) / self.cfg.time_scale,
+        return PrefillResult(first, finish, seq.prefix_hit_tokens, self.clock.emulated(time.perf_counter() - t0),
                              wan, kv_ref, self.bw.bps, link_t)
 
     def _reserve_send(self, req: GenRequest, target: KVTarget | None) -> int:
@@ -353,7 +356,7 @@ class Prefill:
         finally:
             self.engine.release(seq)
 
-    def _start_sender(self, request_id: str, feed: _BlockFeed) -> None:
+    def _start_sender(self, request_id: str, feed: BlockFeed) -> None:
         from pdd_serve.transport.flight import KVFlightClient, SenderAborted, UnknownRequestError
 
         fl = self.cfg.flight
@@ -367,7 +370,7 @@ class Prefill:
                 client = KVFlightClient(feed.target.flight_location, fl.token, layout=self.engine.layout,
                                         tls_root_cert=fl.tls_root_cert, override_hostname=fl.tls_server_name,
                                         mac_key=fl.mac_key, batch_blocks=fl.batch_blocks, parallel_streams=fl.streams,
-                                        deadline_s=self.cfg.real_s(fl.deadline_s),
+                                        deadline_s=self.clock.real(fl.deadline_s),
                                         link=self.link if self.link.config.paced else None)
                 stats = client.push(request_id, iter(feed))
                 with self._send_lock:  # sender threads and stats readers share the counters
@@ -375,7 +378,7 @@ class Prefill:
                     self.transfers["done"] += 1
                     self.transfers["bytes"] += stats.bytes_sent
                 if alone and stats.bytes_sent * self.kv_scale >= BW_SAMPLE_MIN_BYTES:  # emulated bytes, seconds
-                    self.bw.observe(stats.bytes_sent * self.kv_scale, stats.seconds / self.cfg.time_scale)
+                    self.bw.observe(stats.bytes_sent * self.kv_scale, self.clock.emulated(stats.seconds))
             except UnknownRequestError:  # MD released it first (cancelled, or RLD finished it)
                 self._count("dropped")
             except SenderAborted:  # prefill failed: MD was told (the client's `abort`)

@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator
 from ray import serve
 
 from pdd_serve.config import PDDConfig
+from pdd_serve.emulation.clock import Clock
+from pdd_serve.emulation.pacer import build_emulation
 from pdd_serve.engine.worker import EngineWorker
 from pdd_serve.metrics import ReplicaGauges
 from pdd_serve.serve.common import check_engine, emulation_stats, load_engine, logger, placement, take_over
@@ -40,7 +42,7 @@ class Relay:
         self.cfg = cfg
         # no prefix cache: RLD receives every prompt's KV from P; it holds KV only while it relays
         self.engine = load_engine(cfg.engine_for("relay"), enable_prefix_cache=False,
-                                  emulation=cfg.emulation_for("relay"))
+                                  emulation=build_emulation(cfg, "relay"), clock=Clock(cfg.time_scale))
         self.worker = EngineWorker(self.engine, cfg.engine_for("relay").max_batch)
         self.where = placement()
         self.tokens_generated = 0
@@ -62,7 +64,7 @@ class Relay:
         req = rreq.req
         self._maybe_recount()
         if len(self.live) >= self.max_running:
-            # admission control: an overloaded relay pool is how PDD fails (PDD.md), so refuse
+            # admission control: an overloaded relay pool is how PDD fails (docs/pdd.md), so refuse
             raise RelaySaturated(f"relay replica holds {len(self.live)} requests, its share of "
                                  f"policy.relay_max_running ({self.max_running})")
         self.live.add(req.request_id)  # counted before any await: the check above stays atomic

@@ -13,11 +13,11 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from pdd_serve.serve.request_state import RelayLost, RequestState, is_request_error
-from pdd_serve.serve.tasks import _spawn
+from pdd_serve.serve.tasks import spawn
 
 
 class RelayDriver(Protocol):
-    """What `_RelayReader` needs from the orchestrator that drives it."""
+    """What `RelayReader` needs from the orchestrator that drives it."""
 
     async def _wait_any(self, *futs: asyncio.Future | None) -> None: ...
     def _take(self, st: RequestState, nxt: asyncio.Task) -> tuple[list[int], bool]: ...
@@ -25,14 +25,14 @@ class RelayDriver(Protocol):
     async def _close(it: Any) -> None: ...
 
 
-class _RelayReader:
+class RelayReader:
     """RLD's token stream for one request, read in phases (until the KV is ready, until a catch-up
     batch lands, or to the end) and cut at the handoff."""
 
     def __init__(self, orch: RelayDriver, st: RequestState, stream: Any) -> None:
         self.o, self.st = orch, st
         self.it = stream.__aiter__()
-        self.nxt: asyncio.Future = _spawn(self.it.__anext__())
+        self.nxt: asyncio.Future = spawn(self.it.__anext__())
         self.finished = False  # RLD produced the finish reason
         self.closed = False
 
@@ -51,7 +51,7 @@ class _RelayReader:
             if toks:
                 yield toks
             if not self.finished:
-                self.nxt = _spawn(self.it.__anext__())
+                self.nxt = spawn(self.it.__anext__())
 
     async def cut(self) -> None:
         """Stop RLD (its KV is freed); a token it produced past the cut was never committed."""

@@ -5,7 +5,7 @@ the finish reason, and `PDDInfo`, the `pdd` object its response reports). The ex
 `is_request_error` / `is_overloaded` decide what a failure means: the request's own fault (a 400),
 a full pool (503 + Retry-After), or a lost relay (MD takes over). They are separate from the
 orchestrator because the Router uses the same state and classification to answer the client,
-without the pipelines that fill them in. `_prompt_hashes` reads a request's prompt block chain.
+without the pipelines that fill them in. `prompt_hashes` reads a request's prompt block chain.
 """
 
 from __future__ import annotations
@@ -78,14 +78,14 @@ def refusal(e: BaseException) -> tuple[str, str, str]:
     return (*DECODE_REFUSAL, str(last))
 
 
-def _relay_fault(e: BaseException) -> str:
+def relay_fault(e: BaseException) -> str:
     """A relay that refused (its pool is at relay_max_running, whichever routers sent) is full,
     not lost: the request goes to MD all the same."""
     full = is_overloaded(e) or is_overloaded(e.__cause__ or e) or "RelaySaturated" in f"{type(e).__name__}: {e}"
     return "relay_full" if full else "relay_lost"
 
 
-def _prompt_hashes(gen: GenRequest, block_size: int) -> list[int]:
+def prompt_hashes(gen: GenRequest, block_size: int) -> list[int]:
     """The chain the Router computed on its parser thread (computed here only for a caller that
     built its GenRequest without one)."""
     return list(gen.block_hashes) or block_hashes(list(gen.prompt_token_ids), block_size)

@@ -17,12 +17,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
 from pdd_serve.config import PDDConfig
+from pdd_serve.emulation.clock import Clock
+from pdd_serve.emulation.pacer import kv_scale
 from pdd_serve.engine.blocks import block_hashes
 from pdd_serve.engine.sampling import SamplingParams
 from pdd_serve.metrics import RouterMetrics
 from pdd_serve.policy import LinkEstimate
 from pdd_serve.serve import openai_api as oai
-from pdd_serve.serve.common import logger
+from pdd_serve.serve import openai_output as reply
+from pdd_serve.serve.common import graph_link, logger
 from pdd_serve.serve.crosssite import STREAM_QUEUE_BOUND, site_handle
 from pdd_serve.serve.messages import GenRequest
 from pdd_serve.serve.orchestrator import Orchestrator
@@ -162,16 +165,17 @@ class Router:
         self.max_model_len = min(cfg.model.max_model_len or margs.max_position_embeddings, margs.max_position_embeddings)
         dtype = cfg.model.dtype or ("float32" if cfg.model.device == "cpu" else "bfloat16")
         self.layout = KVLayout(margs.num_layers, margs.num_kv_heads, margs.head_dim, cfg.model.block_size, dtype)
-        link = cfg.link_model(self.layout.bytes_per_token)
+        link = graph_link(cfg, self.layout.bytes_per_token)
         bps = link.bandwidth_bps  # the configured line until Prefill reports a measured rate
         est = LinkEstimate(float("inf") if bps is None else bps / 8, link.config.one_way_latency_s)
         self.backends = ServeBackends(cfg, prefill, relay, md, link)
-        # the link counts KV at the emulated model's size when the graph emulates (cfg.kv_scale)
-        self.orch = Orchestrator(cfg, self.backends, self.layout.block_bytes * cfg.kv_scale(self.layout.bytes_per_token),
+        # the link counts KV at the emulated model's size when the graph emulates (kv_scale)
+        self.orch = Orchestrator(cfg, self.backends, self.layout.block_bytes * kv_scale(cfg, self.layout.bytes_per_token),
                                  est)
         self._watch: Any = None  # the background view of every MD
         self._parser = ThreadPoolExecutor(1, thread_name_prefix="pdd-parse")
-        self.metrics = RouterMetrics(cfg.time_scale)
+        self.clock = Clock(cfg.time_scale)  # slow motion: every latency is reported in emulated seconds
+        self.metrics = RouterMetrics(self.clock)
         self.in_flight = 0
         self.created = int(time.time())
         # Serve builds a replica on its event loop: the view starts now, so no replica's first
@@ -205,7 +209,7 @@ class Router:
             oai.check_api_key(request.headers, self.cfg.server)
         except oai.APIError as e:
             return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
-        return JSONResponse(oai.models_response(self.cfg.server.model_name, self.created))
+        return JSONResponse(reply.models_response(self.cfg.server.model_name, self.created))
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
@@ -269,7 +273,7 @@ class Router:
         except BaseException:
             self.in_flight -= 1
             raise
-        rid = oai.new_request_id(kind)
+        rid = reply.new_request_id(kind)
         st = RequestState(GenRequest(f"{rid}-{uuid.uuid4().hex[:6]}", creq.prompt_token_ids, params,
                                      block_hashes=hashes))
         if not creq.stream:
@@ -308,16 +312,16 @@ class Router:
 
     async def _tokens(self, creq: oai.CompletionRequest, st: RequestState) -> AsyncIterator[tuple[str, int | None]]:
         """(text delta, token id) per token (id None for the final flush), string stops applied."""
-        detok = oai.IncrementalDetokenizer(self.tokenizer, creq.prompt_token_ids, creq.stop)
+        detok = reply.IncrementalDetokenizer(self.tokenizer, creq.prompt_token_ids, creq.stop)
         gen = self.orch.run(st, creq.pdd_override)
         t_prev = None
         try:
             async for toks in gen:
                 now = time.monotonic()
                 if t_prev is None:
-                    self.metrics.ttft.observe((now - st.t0) / self.cfg.time_scale, tags={"pipeline": st.info.pipeline})
+                    self.metrics.ttft.observe(self.clock.emulated(now - st.t0), tags={"pipeline": st.info.pipeline})
                 else:
-                    self.metrics.tpot.observe((now - t_prev) / len(toks) / self.cfg.time_scale,
+                    self.metrics.tpot.observe(self.clock.emulated((now - t_prev) / len(toks)),
                                               tags={"pipeline": st.info.pipeline})
                 t_prev = now
                 for t in toks:
@@ -344,9 +348,9 @@ class Router:
         except Exception as e:
             err = self._refused(e, st)  # no exception text to the client
             return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
-        body = oai.completion_response(rid, self.created, creq.model, creq.kind, "".join(parts),
-                                       st.finish_reason or "stop", len(creq.prompt_token_ids), len(st.committed),
-                                       extra={"pdd": oai.pdd_facts(st.info.as_dict(), creq)})
+        body = reply.completion_response(rid, self.created, creq.model, creq.kind, "".join(parts),
+                                         st.finish_reason or "stop", len(creq.prompt_token_ids), len(st.committed),
+                                         extra={"pdd": reply.pdd_facts(st.info.as_dict(), creq)})
         if creq.return_token_ids:
             body["choices"][0]["token_ids"] = ids
         return JSONResponse(body)
@@ -371,19 +375,19 @@ class Router:
                     if tok is not None:
                         pending.append(tok)
                     if delta or first:
-                        chunk = oai.completion_chunk(rid, self.created, creq.model, creq.kind, delta, None, first=first)
+                        chunk = reply.completion_chunk(rid, self.created, creq.model, creq.kind, delta, None, first=first)
                         if creq.return_token_ids:
                             chunk["choices"][0]["token_ids"], pending = pending, []
-                        yield oai.sse(chunk)
+                        yield reply.sse(chunk)
                         first = False
-            last = oai.completion_chunk(rid, self.created, creq.model, creq.kind, "", st.finish_reason or "stop",
-                                        extra={"pdd": oai.pdd_facts(st.info.as_dict(), creq)}, first=first)
+            last = reply.completion_chunk(rid, self.created, creq.model, creq.kind, "", st.finish_reason or "stop",
+                                          extra={"pdd": reply.pdd_facts(st.info.as_dict(), creq)}, first=first)
             if creq.return_token_ids:
                 last["choices"][0]["token_ids"] = pending
-            yield oai.sse(last)
+            yield reply.sse(last)
             if creq.include_usage:
-                yield oai.sse(oai.usage_chunk(rid, self.created, creq.model, creq.kind, len(creq.prompt_token_ids),
-                                              len(st.committed)))
+                yield reply.sse(reply.usage_chunk(rid, self.created, creq.model, creq.kind, len(creq.prompt_token_ids),
+                                                  len(st.committed)))
         except Exception as e:  # headers are sent: report in-band, OpenAI style
-            yield oai.sse(self._refused(e, st).body())  # no exception text to the client
-        yield oai.SSE_DONE
+            yield reply.sse(self._refused(e, st).body())  # no exception text to the client
+        yield reply.SSE_DONE

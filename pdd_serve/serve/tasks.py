@@ -14,16 +14,16 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-def _follow(tasks: dict[Hashable, asyncio.Task], live: list[Hashable], start: Callable[[Hashable], Any]) -> None:
+def follow_replicas(tasks: dict[Hashable, asyncio.Task], live: list[Hashable], start: Callable[[Hashable], Any]) -> None:
     """One task per live replica: new replicas get one, removed ones' are cancelled."""
     for i in [i for i in tasks if i not in live]:
         tasks.pop(i).cancel()
     for i in live:
         if i not in tasks:
-            tasks[i] = _spawn(start(i))
+            tasks[i] = spawn(start(i))
 
 
-def _spawn(aw: Awaitable[T]) -> asyncio.Future[T]:
+def spawn(aw: Awaitable[T]) -> asyncio.Future[T]:
     """A task whose exception is always retrieved (a cancelled relay read may fail after the cut)."""
     fut = asyncio.ensure_future(aw)
     fut.add_done_callback(lambda f: f.cancelled() or f.exception())

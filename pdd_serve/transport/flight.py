@@ -1,5 +1,9 @@
 """KV over Arrow Flight: the cross-site data plane (Prefill at site A -> Main Decode at site B).
 
+The seam's two sides and a transfer's life are in base.py (`KVSender`: `KVFlightClient`;
+`KVReceiver`: `KVFlightServer`); fake.py is an in-process stand-in for unit tests. Below: how
+Flight carries that.
+
 Protocol (one DoPut per stream, descriptor path `["pdd.kv", request_id]`):
 - MD first `expect()`s a request: which blocks it lacks (`start_block`, `num_blocks`). A push for
   any other request id is rejected; a descriptor can only write the request it names.

@@ -20,26 +20,26 @@ import pyarrow.flight as flight
 from pdd_serve.engine.kv import KVBlocks, KVError, KVLayout
 from pdd_serve.transport.codec import encode, kv_schema
 from pdd_serve.transport.flight_wire import (
-    _CODE_RE,
-    _TYPED,
+    CODE_RE,
+    TYPED_ERRORS,
     AuthError,
     RejectedError,
     SenderAborted,
     StreamBroken,
     TransferTimeout,
     TransportError,
-    _ranges,
     abort_mac,
     kv_descriptor,
+    missing_ranges,
 )
 from pdd_serve.transport.link import BandwidthEstimator, LinkModel
 
 # ---------------------------------------------------------------- connections
 
 
-_CHANNELS: dict[tuple, flight.FlightClient] = {}
+CHANNELS: dict[tuple, flight.FlightClient] = {}
 _CHANNELS_LOCK = threading.Lock()
-_MAX_CHANNELS = 64
+MAX_CHANNELS = 64
 
 
 def _channel(key: tuple, make: Callable[[], flight.FlightClient]) -> flight.FlightClient:
@@ -49,11 +49,11 @@ def _channel(key: tuple, make: Callable[[], flight.FlightClient]) -> flight.Flig
     flow-control window from 64 KiB; a kept one streams at full window from the first byte.
     """
     with _CHANNELS_LOCK:
-        c = _CHANNELS.get(key)
+        c = CHANNELS.get(key)
         if c is None:
-            if len(_CHANNELS) >= _MAX_CHANNELS:  # forget the oldest; calls in flight keep their reference
-                _CHANNELS.pop(next(iter(_CHANNELS)))
-            c = _CHANNELS[key] = make()
+            if len(CHANNELS) >= MAX_CHANNELS:  # forget the oldest; calls in flight keep their reference
+                CHANNELS.pop(next(iter(CHANNELS)))
+            c = CHANNELS[key] = make()
         return c
 
 
@@ -63,8 +63,8 @@ def _drop_channel(key: tuple, client: flight.FlightClient) -> None:
     Not closed here: other pushes may share it; it closes when the last of them lets it go.
     """
     with _CHANNELS_LOCK:
-        if _CHANNELS.get(key) is client:
-            del _CHANNELS[key]
+        if CHANNELS.get(key) is client:
+            del CHANNELS[key]
 
 
 # the extra parallel streams of every push in this process share one bounded pool (before: a
@@ -336,7 +336,7 @@ class KVFlightClient:
                 a, b = max(lo - run.start_block, 0), min(hi - run.start_block, run.num_blocks)
                 if a < b:
                     need[a:b] = True
-            for lo, hi in _ranges(~need, 0):
+            for lo, hi in missing_ranges(~need, 0):
                 out.append(run.slice(lo, hi))
         return out
 
@@ -414,10 +414,10 @@ def _classify(e: BaseException) -> Exception:
     """A typed TransportError for a refusal, or _Retry for a break a resume may fix."""
     if isinstance(e, (TransportError, _Retry)):
         return e  # type: ignore[return-value]
-    m = _CODE_RE.search(str(e))
+    m = CODE_RE.search(str(e))
     msg = str(e).split(". Detail:")[0]
     if m:
-        err = _TYPED.get(m.group(1), RejectedError)(msg)
+        err = TYPED_ERRORS.get(m.group(1), RejectedError)(msg)
         err.code = m.group(1)  # the precise reason: checksum, layout, conflict, out_of_range...
         return err
     if isinstance(e, flight.FlightUnauthenticatedError):

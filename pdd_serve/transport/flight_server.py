@@ -21,16 +21,16 @@ import pyarrow.flight as flight
 from pdd_serve.engine.kv import KVBlocks, KVLayout, concat_blocks
 from pdd_serve.transport.codec import CodecError, check_schema, decode, kv_schema
 from pdd_serve.transport.flight_wire import (
-    _MAX_REQUEST_ID,
     DESCRIPTOR_ROOT,
+    MAX_REQUEST_ID,
     CapacityError,
     TransferAborted,
     TransferTimeout,
     UnknownRequestError,
-    _codec_code,
-    _fail,
-    _ranges,
     abort_mac,
+    codec_wire_code,
+    flight_error,
+    missing_ranges,
 )
 
 # ---------------------------------------------------------------- server side
@@ -116,7 +116,7 @@ class _BearerAuth(flight.ServerMiddlewareFactory):
         got = headers.get("authorization", [])
         # constant-time compare: the token must not leak through response timing
         if not any(hmac.compare_digest(v.encode() if isinstance(v, str) else bytes(v), self._want) for v in got):
-            raise _fail("unauthenticated", "missing or wrong bearer token")
+            raise flight_error("unauthenticated", "missing or wrong bearer token")
         return None
 
 
@@ -209,8 +209,8 @@ class KVFlightServer:
         arrives when given. Idempotent for the same arguments. Raises CapacityError when the
         request alone, or with everything already expected, exceeds the byte caps.
         """
-        if not isinstance(request_id, str) or not 0 < len(request_id) <= _MAX_REQUEST_ID:
-            raise ValueError(f"request_id must be a non-empty str of <= {_MAX_REQUEST_ID} chars")
+        if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID:
+            raise ValueError(f"request_id must be a non-empty str of <= {MAX_REQUEST_ID} chars")
         bs = self.layout.block_size
         if num_blocks <= 0 or start_block < 0:
             raise ValueError(f"need num_blocks > 0 and start_block >= 0, got {num_blocks}, {start_block}")
@@ -241,7 +241,7 @@ class KVFlightServer:
         """Absolute [lo, hi) block ranges not yet received."""
         t = self._get(request_id)
         with t.lock:
-            return _ranges(t.have, t.start_block)
+            return missing_ranges(t.have, t.start_block)
 
     def stats(self, request_id: str) -> TransferStats:
         t = self._get(request_id)
@@ -356,11 +356,11 @@ class KVFlightServer:
     def _request_of(self, descriptor: flight.FlightDescriptor) -> str:
         path = descriptor.path if descriptor.descriptor_type == flight.DescriptorType.PATH else None
         if not path or len(path) != 2 or path[0] != DESCRIPTOR_ROOT.encode():
-            raise _fail("bad_descriptor", f"descriptor must be path [{DESCRIPTOR_ROOT!r}, request_id]")
+            raise flight_error("bad_descriptor", f"descriptor must be path [{DESCRIPTOR_ROOT!r}, request_id]")
         try:
             return path[1].decode()
         except UnicodeDecodeError:
-            raise _fail("bad_descriptor", "request id is not UTF-8") from None
+            raise flight_error("bad_descriptor", "request id is not UTF-8") from None
 
     def _lookup(self, request_id: str, wait_s: float = 0.0) -> _Transfer:
         with self._expected:
@@ -368,7 +368,7 @@ class KVFlightServer:
         try:
             return self._get(request_id)
         except UnknownRequestError as e:
-            raise _fail("unknown_request", str(e)) from None
+            raise flight_error("unknown_request", str(e)) from None
 
     def _do_put(self, descriptor: flight.FlightDescriptor, reader: flight.MetadataRecordBatchReader,
                 writer: flight.FlightMetadataWriter) -> None:
@@ -377,14 +377,14 @@ class KVFlightServer:
         try:
             check_schema(reader.schema, self.layout)
         except CodecError as e:
-            raise _fail(_codec_code(e), str(e)) from None
+            raise flight_error(codec_wire_code(e), str(e)) from None
         while True:
             try:
                 batch, _ = reader.read_chunk()
             except StopIteration:
                 return
             except pa.ArrowException as e:  # the stream itself is malformed (or the peer went away)
-                raise _fail("malformed", f"unreadable KV stream: {e}") from None
+                raise flight_error("malformed", f"unreadable KV stream: {e}") from None
             if batch is None:  # a metadata-only message: nothing to store
                 continue
             lo, hi = self._accept(t, batch)
@@ -393,7 +393,7 @@ class KVFlightServer:
     def _reject(self, t: _Transfer, code: str, msg: str) -> Exception:
         with t.lock:
             t.batches_rejected += 1
-        return _fail(code, f"request {t.request_id!r}: {msg}")
+        return flight_error(code, f"request {t.request_id!r}: {msg}")
 
     def _accept(self, t: _Transfer, batch: pa.RecordBatch) -> tuple[int, int]:
         """Verify a whole batch, then store it: a rejected batch changes nothing."""
@@ -401,7 +401,7 @@ class KVFlightServer:
             kv = decode(batch, self.layout, request_id=t.request_id, verify=self.verify_checksums,
                         mac_key=self.mac_key)  # outside any lock
         except CodecError as e:
-            raise self._reject(t, _codec_code(e), str(e)) from None
+            raise self._reject(t, codec_wire_code(e), str(e)) from None
         bs = self.layout.block_size
         lo, hi = kv.start_block - t.start_block, kv.start_block - t.start_block + kv.num_blocks
         if lo < 0 or hi > t.num_blocks:
@@ -417,19 +417,19 @@ class KVFlightServer:
             raise self._reject(t, "hash_mismatch", f"block hashes of [{kv.start_block}, ...) differ from expected")
         with t.lock:
             if t.released:
-                raise _fail("unknown_request", f"request {t.request_id!r} was released")
+                raise flight_error("unknown_request", f"request {t.request_id!r} was released")
             if t.aborted is not None:
-                raise _fail("aborted", f"request {t.request_id!r}: the transfer was aborted")
+                raise flight_error("aborted", f"request {t.request_id!r}: the transfer was aborted")
             dup = t.have[lo:hi]
             for i in np.flatnonzero(dup).tolist():  # re-sends: fine if identical, an error if not
                 if not _same_block(t.runs, kv, i):
                     t.batches_rejected += 1
-                    raise _fail("conflict", f"request {t.request_id!r}: block {kv.start_block + i} re-sent "
+                    raise flight_error("conflict", f"request {t.request_id!r}: block {kv.start_block + i} re-sent "
                                 "with different content")
             # keep a new batch as views of its Flight buffer: no copy on the receive path. Where part
             # of it was a re-send, copy the new blocks out so a partly redundant buffer isn't pinned
             # (memory stays within the reservation however the sender slices its re-sends).
-            for a, b in _ranges(dup, 0):
+            for a, b in missing_ranges(dup, 0):
                 run = kv.slice(a, b)
                 if b - a < kv.num_blocks:
                     run = KVBlocks(run.layout, run.start_block, run.data.copy(), run.hashes, run.checksums,
@@ -447,15 +447,15 @@ class KVFlightServer:
         if action.type == "abort":
             return self._abort_action(action)
         if action.type != "missing":
-            raise _fail("bad_action", f"unknown action {action.type!r}")
+            raise flight_error("bad_action", f"unknown action {action.type!r}")
         try:
             rid = action.body.to_pybytes().decode()
         except UnicodeDecodeError:
-            raise _fail("bad_descriptor", "request id is not UTF-8") from None
+            raise flight_error("bad_descriptor", "request id is not UTF-8") from None
         try:
             ranges = self.missing(rid)
         except UnknownRequestError as e:
-            raise _fail("unknown_request", str(e)) from None
+            raise flight_error("unknown_request", str(e)) from None
         return iter([json.dumps({"missing": ranges}).encode()])
 
     def _abort_action(self, action: flight.Action) -> Iterator[bytes]:
@@ -463,9 +463,9 @@ class KVFlightServer:
             body = json.loads(action.body.to_pybytes())
             rid, reason, mac = str(body["request_id"]), str(body.get("reason", "")), str(body.get("mac", ""))
         except (ValueError, KeyError, TypeError):
-            raise _fail("bad_action", "abort needs a JSON body {request_id, reason, mac}") from None
+            raise flight_error("bad_action", "abort needs a JSON body {request_id, reason, mac}") from None
         if self.mac_key is not None and not hmac.compare_digest(mac.encode(), abort_mac(self.mac_key, rid).encode()):
-            raise _fail("mac", f"abort of {rid[:_MAX_REQUEST_ID]!r}: the MAC does not verify")
+            raise flight_error("mac", f"abort of {rid[:MAX_REQUEST_ID]!r}: the MAC does not verify")
         # an abort may overtake MD's `expect` (prepare runs concurrently with prefill), as a push may
         with contextlib.suppress(pa.ArrowKeyError):
             self._lookup(rid, self.expect_wait_s)

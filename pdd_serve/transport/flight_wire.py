@@ -19,8 +19,8 @@ from pdd_serve.transport.codec import (
 )
 
 DESCRIPTOR_ROOT = "pdd.kv"
-_CODE_RE = re.compile(r"pdd\.kv/([a-z_]+)")
-_MAX_REQUEST_ID = 256
+CODE_RE = re.compile(r"pdd\.kv/([a-z_]+)")
+MAX_REQUEST_ID = 256
 
 
 # ---------------------------------------------------------------- errors
@@ -75,10 +75,10 @@ class SenderAborted(Exception):
     client then tells the receiver (action `abort`) before it re-raises this."""
 
 
-_TYPED = {c.code: c for c in (AuthError, UnknownRequestError, CapacityError, TransferTimeout, TransferAborted)}
+TYPED_ERRORS = {c.code: c for c in (AuthError, UnknownRequestError, CapacityError, TransferTimeout, TransferAborted)}
 
 
-def _fail(code: str, msg: str) -> Exception:
+def flight_error(code: str, msg: str) -> Exception:
     """A server-side error whose code survives the trip to the client."""
     text = f"{DESCRIPTOR_ROOT}/{code}: {msg}"
     if code == "unauthenticated":
@@ -88,7 +88,7 @@ def _fail(code: str, msg: str) -> Exception:
     return pa.ArrowInvalid(text)
 
 
-def _codec_code(e: CodecError) -> str:
+def codec_wire_code(e: CodecError) -> str:
     for cls, code in ((ChecksumMismatch, "checksum"), (RequestMismatch, "request_mismatch"),
                       (LayoutMismatch, "layout"), (SchemaMismatch, "schema"), (MacMismatch, "mac")):
         if isinstance(e, cls):
@@ -109,7 +109,7 @@ def abort_mac(key: str | bytes, request_id: str) -> str:
     return h.hexdigest()
 
 
-def _ranges(have: np.ndarray, start: int) -> list[tuple[int, int]]:
+def missing_ranges(have: np.ndarray, start: int) -> list[tuple[int, int]]:
     """[lo, hi) absolute block ranges where `have` is False."""
     out: list[tuple[int, int]] = []
     lo = None

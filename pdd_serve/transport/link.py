@@ -1,6 +1,6 @@
 """LinkModel: the inter-site link (bandwidth, one-way latency, jitter), real and simulated.
 
-One object serves two worlds (DESIGN.md): the Flight client calls `pace_sync(nbytes)` /
+One object serves two worlds (docs/design.md): the Flight client calls `pace_sync(nbytes)` /
 `await pace(nbytes)` before each batch so a loopback stream behaves like the WAN, and the
 simulator calls the pure `transfer_time(nbytes, at)` for the same link.
 
@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pdd_serve.emulation.clock import Clock
+
 # Concurrent streams interleave on the paced line at this grain, as TCP flows share a real line:
 # a small delta started behind a cold transfer waits for its fair share, not for a whole batch.
 PACE_QUANTUM_BYTES = 64 * 1024
@@ -41,7 +43,7 @@ PACE_QUANTUM_BYTES = 64 * 1024
 _FLOW_TAT: contextvars.ContextVar[dict[int, float]] = contextvars.ContextVar("pdd_link_flow_tat")
 _EPOCHS = itertools.count()
 
-REFERENCE_KV_BYTES_PER_TOKEN = 50_000  # PDD.md: a flagship 1T model has ~50 KB of KV per token
+REFERENCE_KV_BYTES_PER_TOKEN = 50_000  # docs/pdd.md: a flagship 1T model has ~50 KB of KV per token
 JITTERS = ("constant", "lognormal", "trace", "stalls")
 
 
@@ -122,7 +124,16 @@ def load_trace(path: str | Path) -> tuple[float, ...]:
     return tuple(vals)
 
 
-# Calibrations of the presets (bits/s, one-way s, jitter). Not measurements: PDD.md gives only the
+def trace_values(c: LinkConfig) -> tuple[float, ...]:
+    """A trace line's values, inline or read from its file (checked: a throughput trace must let
+    something through); () for other jitters."""
+    vals = c.trace or (load_trace(c.trace_path) if c.jitter == "trace" and c.trace_path else ())
+    if c.jitter == "trace" and c.trace_kind == "throughput" and not any(v > 0 for v in vals):
+        raise ValueError("a throughput trace needs at least one factor > 0 (else nothing ever moves)")
+    return vals
+
+
+# Calibrations of the presets (bits/s, one-way s, jitter). Not measurements: docs/pdd.md gives only the
 # 10-100 Gbps Ethernet and the 1-20 s fluctuating transfers; these are our stand-ins.
 _PRESETS: dict[str, LinkConfig] = {
     "same_dc": LinkConfig(),
@@ -133,33 +144,46 @@ _PRESETS: dict[str, LinkConfig] = {
 }
 
 
+def preset_config(name: str, kv_bytes_per_token: int | None = None, **overrides: object) -> LinkConfig:
+    """A named line's parameters (`LinkModel.preset` says what each is and how they scale), with
+    `overrides` of any of them."""
+    if name not in _PRESETS:
+        raise ValueError(f"unknown link preset {name!r}; one of {sorted(_PRESETS)}")
+    cfg = _PRESETS[name]
+    if kv_bytes_per_token is not None:
+        if kv_bytes_per_token <= 0:
+            raise ValueError(f"kv_bytes_per_token must be > 0, got {kv_bytes_per_token}")
+        if cfg.bandwidth_bps is not None:
+            cfg = replace(cfg, bandwidth_bps=cfg.bandwidth_bps * kv_bytes_per_token / REFERENCE_KV_BYTES_PER_TOKEN)
+    return replace(cfg, **overrides) if overrides else cfg
+
+
 class LinkModel:
     """Paces real streams and answers transfer times for the simulator (see module docstring).
 
     `LinkModel(cfg)` or `LinkModel(bandwidth_bps=..., one_way_latency_s=..., jitter=..., ...)`.
     Thread-safe; one token bucket per object (parallel streams sharing it share the bandwidth).
+    `timer`: the real time source (tests pass a fake one).
     """
 
-    def __init__(self, config: LinkConfig | None = None, *, clock: Callable[[], float] = time.monotonic,
-                 time_scale: float = 1.0, byte_scale: float = 1.0, **fields: object) -> None:
+    def __init__(self, config: LinkConfig | None = None, *, clock: Clock = Clock(),
+                 timer: Callable[[], float] = time.monotonic, byte_scale: float = 1.0, **fields: object) -> None:
         if config is not None and fields:
             raise TypeError("pass a LinkConfig or its fields, not both")
-        if not (time_scale > 0 and byte_scale > 0):
-            raise ValueError(f"time_scale and byte_scale must be > 0, got {time_scale}, {byte_scale}")
+        if not byte_scale > 0:
+            raise ValueError(f"byte_scale must be > 0, got {byte_scale}")
         self.config = config if config is not None else LinkConfig(**fields)  # type: ignore[arg-type]
-        # emulation (pdd_serve/emulation/pacer.py): the link runs on the emulated clock (real seconds /
-        # time_scale), so latency, epochs, stalls and rates are the emulated line's, and each real
-        # KV byte paced stands for `byte_scale` bytes of the emulated model's KV
-        self.time_scale = float(time_scale)
+        # emulation (pdd_serve/emulation/clock.py): the link runs on the graph's emulated clock, so
+        # latency, epochs, stalls and rates are the emulated line's, and each real KV byte paced
+        # stands for `byte_scale` bytes of the emulated model's KV
+        self.clock = clock
         self.byte_scale = float(byte_scale)
         c = self.config
-        self._trace = c.trace or (load_trace(c.trace_path) if c.jitter == "trace" and c.trace_path else ())
-        if c.jitter == "trace" and c.trace_kind == "throughput" and not any(v > 0 for v in self._trace):
-            raise ValueError("a throughput trace needs at least one factor > 0 (else nothing ever moves)")
+        self._trace = trace_values(c)
         self._rng = np.random.default_rng(c.seed)
         self._factors: list[float] = []  # lognormal factors, drawn in epoch order: pure per seed
-        self._clock = clock
-        self._origin = clock()
+        self._timer = timer
+        self._origin = timer()
         self._tat: float | None = None  # arrival time of the last paced byte (link clock)
         self._epoch = next(_EPOCHS)  # key of this model's streams in _FLOW_TAT (new on reset)
         self._lock = threading.Lock()  # the pacer's state
@@ -168,11 +192,11 @@ class LinkModel:
     # ------------------------------------------------------------ presets
 
     @classmethod
-    def preset(cls, name: str, kv_bytes_per_token: int | None = None, *, time_scale: float = 1.0,
+    def preset(cls, name: str, kv_bytes_per_token: int | None = None, *, clock: Clock = Clock(),
                byte_scale: float = 1.0, **overrides: object) -> LinkModel:
         """A named link: same_dc (unpaced), wan_10g, wan_100g, pdd_report.
 
-        `pdd_report` stands in for PDD.md's cross-DC line whose KV transfers fluctuate 1-20 s:
+        `pdd_report` stands in for docs/pdd.md's cross-DC line whose KV transfers fluctuate 1-20 s:
         4 Gbps median per transfer (one request's share of a 10 Gbps-class line; 6.6 Gbps mean,
         the configured `bandwidth_bps`), 50 ms one-way, lognormal sigma 1.0 per 5 s epoch. For the report's 50 KB/token flagship that
         gives (p50 / p90 / p99 over start times): a 6.4K-token delta (64K prompt, 90% hit)
@@ -186,15 +210,7 @@ class LinkModel:
         x 32 dims x fp32 = 2048 B/token) gets pdd_report's 4 Gbps x 2048/50000 = 164 Mbps. Latency and jitter
         are unchanged. `None` keeps the line's raw bandwidth. same_dc ignores it.
         """
-        if name not in _PRESETS:
-            raise ValueError(f"unknown link preset {name!r}; one of {sorted(_PRESETS)}")
-        cfg = _PRESETS[name]
-        if kv_bytes_per_token is not None:
-            if kv_bytes_per_token <= 0:
-                raise ValueError(f"kv_bytes_per_token must be > 0, got {kv_bytes_per_token}")
-            if cfg.bandwidth_bps is not None:
-                cfg = replace(cfg, bandwidth_bps=cfg.bandwidth_bps * kv_bytes_per_token / REFERENCE_KV_BYTES_PER_TOKEN)
-        return cls(replace(cfg, **overrides) if overrides else cfg, time_scale=time_scale, byte_scale=byte_scale)
+        return cls(preset_config(name, kv_bytes_per_token, **overrides), clock=clock, byte_scale=byte_scale)
 
     # ------------------------------------------------------------ the pure model
 
@@ -291,15 +307,15 @@ class LinkModel:
 
     def now(self) -> float:
         """Link time: (emulated) seconds since this object was made (or `reset`)."""
-        return (self._clock() - self._origin) / self.time_scale
+        return self.clock.emulated(self._timer() - self._origin)
 
     def real_latency_s(self) -> float:
         """The one-way delay a message sent now waits, in real seconds (cross-site control calls)."""
-        return self.latency_at(self.now()) * self.time_scale
+        return self.clock.real(self.latency_at(self.now()))
 
     def reset(self) -> None:
         with self._lock:
-            self._origin = self._clock()
+            self._origin = self._timer()
             self._tat = None
             self._epoch = next(_EPOCHS)  # streams' arrival times were on the old clock
 
@@ -335,7 +351,7 @@ class LinkModel:
         share the line; returns the real seconds waited."""
         waited = 0.0
         for i, q in enumerate(self._quanta(nbytes)):
-            wait = self._reserve(q * self.byte_scale, chained=i > 0) * self.time_scale
+            wait = self.clock.real(self._reserve(q * self.byte_scale, chained=i > 0))
             if wait > 0:
                 time.sleep(wait)
                 waited += wait
@@ -344,7 +360,7 @@ class LinkModel:
     async def pace(self, nbytes: int) -> float:
         waited = 0.0
         for i, q in enumerate(self._quanta(nbytes)):
-            wait = self._reserve(q * self.byte_scale, chained=i > 0) * self.time_scale
+            wait = self.clock.real(self._reserve(q * self.byte_scale, chained=i > 0))
             if wait > 0:
                 await asyncio.sleep(wait)
                 waited += wait

@@ -8,18 +8,27 @@ import pytest
 
 from pdd_serve.config import ConfigError, load_config
 from pdd_serve.emulation import costmodel
-from pdd_serve.emulation.pacer import Emulation, StepPacer, merge_stats, overrun_warning
+from pdd_serve.emulation.clock import Clock
+from pdd_serve.emulation.pacer import (
+    Emulation,
+    StepPacer,
+    build_emulation,
+    kv_scale,
+    merge_stats,
+    overrun_warning,
+)
+from pdd_serve.serve.common import graph_link
 from pdd_serve.transport.link import LinkModel
 
 CAT = costmodel.load_catalog()
 L70 = CAT.model("llama-3-70b")
 H100 = CAT.chip("h100-sxm")
 
-EMU = {"model": "llama-3-70b", "time_scale": 20, "a": {"chip": "h100-sxm", "tp": 4}, "b": {"chip": "h20", "tp": 8}}
+EMU = {"model": "llama-3-70b", "a": {"chip": "h100-sxm", "tp": 4}, "b": {"chip": "h20", "tp": 8}}
 
 
 def _cross(**extra) -> dict:
-    return {"link": {"preset": "wan_10g", "jitter": "constant"}, "emulate": EMU, **extra}
+    return {"link": {"preset": "wan_10g", "jitter": "constant"}, "emulate": EMU, "time_scale": 20, **extra}
 
 
 # ---------------------------------------------------------------- the roofline, by hand
@@ -79,7 +88,7 @@ class FakeClock:
 
 def test_pacer_holds_each_step_to_its_modeled_time_in_slow_motion() -> None:
     clk = FakeClock()
-    p = StepPacer(Emulation(H100, L70, 8, time_scale=10), clock=clk, sleep=clk.sleep)
+    p = StepPacer(Emulation(H100, L70, 8), Clock(10), timer=clk, sleep=clk.sleep)
     t0 = p.begin()
     clk.t += 0.05  # the real forward
     p.end("decode", t0, 0.02)  # modeled 20 ms -> 200 ms real
@@ -90,7 +99,7 @@ def test_pacer_holds_each_step_to_its_modeled_time_in_slow_motion() -> None:
 
 def test_overrun_is_counted_per_step_kind_and_never_slept_away() -> None:
     clk = FakeClock()
-    p = StepPacer(Emulation(H100, L70, 8, time_scale=2), clock=clk, sleep=clk.sleep)
+    p = StepPacer(Emulation(H100, L70, 8), Clock(2), timer=clk, sleep=clk.sleep)
     for real, modeled, kind in [(0.5, 0.1, "prefill"), (0.01, 0.1, "prefill"), (0.01, 0.1, "decode"),
                                 (0.01, 0.1, "decode"), (0.01, 0.1, "decode"), (0.3, 0.1, "decode")]:
         t0 = p.begin()
@@ -102,7 +111,7 @@ def test_overrun_is_counted_per_step_kind_and_never_slept_away() -> None:
     assert st["overrun_share_prefill"] == 0.5 and st["overrun_share_decode"] == 0.25
     assert st["prefill_overrun_s"] == pytest.approx(0.3)  # 0.5 real against 0.2 modeled-in-real
     assert len(clk.slept) == 4  # the overrun steps slept nothing
-    assert "raise time_scale" in overrun_warning(st, 2)
+    assert "raise time_scale (now 2, try 4)" in overrun_warning(st, Clock(2))
     merged = merge_stats([st, st])
     assert merged["decode_steps"] == 8 and merged["overrun_share_decode"] == 0.25
 
@@ -119,8 +128,8 @@ def test_engine_paces_every_forward_and_keeps_greedy_tokens(model_dir) -> None:
     prompt = [(i * 7 + 3) % 500 + 10 for i in range(70)]
     want = ref.generate(prompt, 12)
     clk = FakeClock()
-    emu = Emulation(H100, L70, 8, time_scale=1000)
-    eng = PacedEngine(Engine.from_pretrained(model_dir), StepPacer(emu, clock=clk, sleep=clk.sleep))
+    emu = Emulation(H100, L70, 8)
+    eng = PacedEngine(Engine.from_pretrained(model_dir), StepPacer(emu, Clock(1000), timer=clk, sleep=clk.sleep))
     assert isinstance(eng, EngineBackend) and isinstance(ref, EngineBackend)
     seq = eng.add("r", prompt, SamplingParams(12))
     eng.prefill(seq)
@@ -164,9 +173,9 @@ def test_paced_engine_holds_each_chunk_before_its_blocks_leave_and_counts_per_ki
     from pdd_serve.emulation.pacer import PacedEngine
 
     clk = FakeClock()
-    emu = Emulation(H100, L70, 8, time_scale=10)
+    emu = Emulation(H100, L70, 8)
     fake = _FakeEngine(clk)
-    eng = PacedEngine(fake, StepPacer(emu, clock=clk, sleep=clk.sleep))
+    eng = PacedEngine(fake, StepPacer(emu, Clock(10), timer=clk, sleep=clk.sleep))
     assert eng.block_size == 16  # everything else is the engine's
     left: list[float] = []
     assert eng.prefill("seq", chunk_tokens=100, on_chunk=lambda s: left.append(clk.t)) == 7
@@ -196,17 +205,17 @@ def test_time_scale_reaches_link_pacing_latency_and_timeouts(monkeypatch) -> Non
     clk = FakeClock()
     monkeypatch.setattr(link_mod.time, "sleep", clk.sleep)
     # 100 MB/s line, 5 ms one way; each real byte stands for 10 emulated ones; slow motion x4
-    link = LinkModel(clock=clk, time_scale=4, byte_scale=10, bandwidth_bps=8e8, one_way_latency_s=0.005)
+    link = LinkModel(clock=Clock(4), timer=clk, byte_scale=10, bandwidth_bps=8e8, one_way_latency_s=0.005)
     link.pace_sync(1_000_000)  # 10 MB emulated: 5 ms + 100 ms emulated = 420 ms real
     assert clk.t == pytest.approx(4 * (0.005 + 0.1), rel=1e-6)
     assert link.now() == pytest.approx(0.105, rel=1e-6)  # the link clock is emulated
     assert link.real_latency_s() == pytest.approx(0.02)  # control messages: 5 ms x 4
 
     cfg = load_config(_cross(policy={"kv_wait_timeout_s": 3.0}))
-    assert cfg.time_scale == 20 and cfg.real_s(cfg.policy.kv_wait_timeout_s) == 60.0
+    assert cfg.time_scale == 20 and Clock(cfg.time_scale).real(cfg.policy.kv_wait_timeout_s) == 60.0
     real_bpt = 2048
-    lm = cfg.link_model(real_bpt)
-    assert lm.time_scale == 20 and lm.byte_scale == pytest.approx(327_680 / 2048)
+    lm = graph_link(cfg, real_bpt)
+    assert lm.clock == Clock(20) and lm.byte_scale == pytest.approx(327_680 / 2048)
     assert lm.bandwidth_bps == 10e9  # the line's own rate: the bytes are already the emulated model's
 
 
@@ -223,18 +232,18 @@ def test_orchestrator_scales_its_cross_site_waits_once() -> None:
 
 def test_unemulated_graph_is_unchanged() -> None:
     cfg = load_config({"link": "wan_10g"})
-    assert not cfg.emulated and cfg.time_scale == 1.0 and cfg.kv_scale(2048) == 1.0
-    assert cfg.emulation_for("prefill") is None
-    lm = cfg.link_model(2048)
-    assert lm.time_scale == 1.0 and lm.bandwidth_bps == pytest.approx(10e9 * 2048 / 50_000)
+    assert not cfg.emulated and cfg.time_scale == 1.0 and kv_scale(cfg, 2048) == 1.0
+    assert build_emulation(cfg, "prefill") is None and cfg.emulate_for("prefill") is None
+    lm = graph_link(cfg, 2048)
+    assert lm.clock == Clock(1) and lm.bandwidth_bps == pytest.approx(10e9 * 2048 / 50_000)
 
 
 def test_emulation_resolves_role_over_site_over_shared() -> None:
     cfg = load_config(_cross(emulate={**EMU, "relay": {"chip": "h100-sxm", "tp": 8}}))
-    p, r, md = (cfg.emulation_for(x) for x in ("prefill", "relay", "main_decode"))
+    p, r, md = (build_emulation(cfg, x) for x in ("prefill", "relay", "main_decode"))
     assert (p.chip.name, p.tp) == ("h100-sxm", 4)
     assert (r.chip.name, r.tp) == ("h100-sxm", 8)
-    assert (md.chip.name, md.tp, md.time_scale) == ("h20", 8, 20.0)
+    assert (md.chip.name, md.tp, cfg.time_scale) == ("h20", 8, 20.0)
     assert md.model.name == "llama-3-70b"
 
 
@@ -243,9 +252,9 @@ def test_emulation_resolves_role_over_site_over_shared() -> None:
     ({**EMU, "model": "llama-9"}, "emulate.model: unknown model shape 'llama-9'"),
     ({**EMU, "a": {"chip": "h100-sxm", "tp": 3}}, "emulate.a.tp: tp 3 does not divide"),
     ({**EMU, "a": {"chip": "h100-sxm", "tp": 1}}, "emulate.a.chip: llama-3-70b (141 GB of weights) on 1 x h100-sxm"),
-    ({**EMU, "time_scale": 0}, "emulate: time_scale must be a number > 0"),
-    ({**EMU, "time_scale": -2}, "emulate: time_scale must be a number > 0"),
-    ({**EMU, "b": {"chip": "h20", "tp": 8, "time_scale": 5}}, "time_scale must be one for the whole graph"),
+    ({**EMU, "time_scale": 20}, "emulate.time_scale: time_scale is one key for the whole graph now: write "
+                                "`time_scale: 20` at the top of the graph's args, beside `emulate:`"),
+    ({**EMU, "b": {"chip": "h20", "tp": 8, "time_scale": 5}}, "emulate.b.time_scale: time_scale is one key"),
     ({"model": "llama-3-70b", "a": {"chip": "h100-sxm", "tp": 4}}, "the main_decode engine has no chip"),
     ({**EMU, "c": {"chip": "h20"}}, "emulate.c is neither a role"),
     ({**EMU, "b": {"chip": "h20", "tp": 8, "model": "llama-3-8b"}}, "emulate.model must be one for the whole graph"),
@@ -258,12 +267,35 @@ def test_bad_emulate_block_is_refused_at_load_with_the_field_named(emulate, fiel
     assert field in str(e.value)
 
 
+@pytest.mark.parametrize("args, field", [
+    (_cross(time_scale=0), "time_scale must be a number > 0, got 0"),
+    (_cross(time_scale=-2), "time_scale must be a number > 0, got -2"),
+    (_cross(time_scale=True), "time_scale must be a number > 0, got True"),
+    ({"time_scale": 5}, "time_scale 5 slows an emulated graph, and this graph has no emulate: block"),
+    (_cross(link={"preset": "wan_10g", "time_scale": 20}), "link.time_scale: time_scale is one key for the whole "
+                                                           "graph now: write `time_scale: 20` at the top"),
+])
+def test_time_scale_is_one_graph_wide_key(args, field) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(args)
+    assert field in str(e.value)
+
+
+def test_the_clock_is_the_one_place_slow_motion_is_applied() -> None:
+    clock = Clock(20)
+    assert clock.real(0.5) == 10.0 and clock.emulated(10.0) == 0.5 and clock.slower() == Clock(40)
+    assert Clock().real(3.0) == 3.0 == Clock().emulated(3.0)  # unemulated: real time is emulated time
+    assert load_config(_cross()).time_scale == 20.0 and load_config({}).time_scale == 1.0
+    with pytest.raises(ValueError, match="time_scale must be a number > 0"):
+        Clock(0)
+
+
 def test_inline_model_shape() -> None:
     shape = {"name": "dense-13b", "params_b": 13, "layers": 40, "hidden": 5120, "heads": 40, "kv_heads": 40,
              "head_dim": 128}
     cfg = load_config(_cross(emulate={**EMU, "model": shape, "a": {"chip": "h100-sxm", "tp": 1},
                                       "b": {"chip": "h20", "tp": 1}}))
-    assert cfg.emulation_for("main_decode").kv_bytes_per_token == 40 * 40 * 128 * 2 * 2
+    assert build_emulation(cfg, "main_decode").kv_bytes_per_token == 40 * 40 * 128 * 2 * 2
 
 
 # ---------------------------------------------------------------- the emulated comparison's pieces
@@ -291,11 +323,11 @@ def test_unknown_scenario_names_the_shipped_ones() -> None:
 
 
 def test_load_generator_reads_records_in_emulated_seconds() -> None:
-    from evaluations.loadgen import LoadConfig, RequestRecord, _to_emulated
+    from evaluations.loadgen import LoadConfig, RequestRecord, to_emulated
 
     rec = RequestRecord("s", 0, "warm", 10, 0.5, 4, 40.0)
     rec.ttft_s, rec.e2e_s, rec.itl_s = 2.0, 8.0, [1.0, 3.0]
-    _to_emulated(rec, 20.0)
+    to_emulated(rec, Clock(20.0))
     assert (rec.t_send_s, rec.ttft_s, rec.e2e_s, rec.itl_s) == (2.0, 0.1, 0.4, [0.05, 0.15])
     with pytest.raises(ValueError, match="time_scale"):
         LoadConfig(time_scale=0)
@@ -341,8 +373,8 @@ def test_each_repeat_draws_its_own_line_the_same_for_every_graph(tmp_path) -> No
     for name in ("pdd", "pd_cross_dc", "pd_cross_dc_naive"):
         g2 = for_repeat(by[name], 2)
         assert link_seed(g2) == base + 2 and g2.path != by[name].path and g2.cfg.emulated
-        seeded = g2.cfg.link.build(2048, raw=True).config
-        assert seeded.bandwidth_bps == by[name].cfg.link.build(2048, raw=True).config.bandwidth_bps
+        seeded = g2.cfg.link.line(2048, raw=True)
+        assert seeded.bandwidth_bps == by[name].cfg.link.line(2048, raw=True).bandwidth_bps
 
 
 def test_the_emulated_floor_is_built_from_the_modeled_steps(tmp_path) -> None:
@@ -357,7 +389,7 @@ def test_the_emulated_floor_is_built_from_the_modeled_steps(tmp_path) -> None:
 
     sc = load_scenario("emulated_70b")
     cfg = {g.name: g.cfg for g in prepare_graphs(DEFAULT_GRAPHS, tmp_path, 8999, sc.link, emulate=sc)}["pdd"]
-    p, md = cfg.emulation_for("prefill"), cfg.emulation_for("main_decode")
+    p, md = build_emulation(cfg, "prefill"), build_emulation(cfg, "main_decode")
     assert PREFILL_CHUNK_TOKENS == 256
     pre = p.prefill_s(256, 500) + p.prefill_s(244, 756)  # 1000 tokens, half cached: 500 past the hit, 2 chunks
     assert modeled_prefill_s(1000, 0.5, p, 256) == pytest.approx(pre)
@@ -385,10 +417,10 @@ def test_the_emulated_compare_reads_its_runs_back_offline(tmp_path) -> None:
         floors,
         summarize_graph,
     )
-    from evaluations.cost import load_catalog
     from evaluations.harness import DEFAULT_GRAPHS, for_repeat, link_seed, prepare_graphs
     from evaluations.loadgen import SLA, RequestRecord
-    from evaluations.sim.emulated import load_scenario, simulate_records
+    from evaluations.sim.emulated import load_scenario
+    from evaluations.sim.validate import simulate_records
 
     sc = load_scenario("emulated_70b")
     graphs = prepare_graphs(DEFAULT_GRAPHS, tmp_path, 8999, sc.link, emulate=sc)
@@ -408,14 +440,14 @@ def test_the_emulated_compare_reads_its_runs_back_offline(tmp_path) -> None:
             res.runs.append(run)
             res.seeds.append(link_seed(for_repeat(g, rep)))
         results[g.name] = res
-    cfg = CompareConfig(sla=SLA(sc.sla["ttft_s"], sc.sla["tpot_s"]), repeats=2, emulate=sc, mlflow=False)
+    cfg = CompareConfig(sla=SLA(sc.sla.ttft_s, sc.sla.tpot_s), repeats=2, emulate=sc, mlflow=False)
     # the table's first line and the JSON name the exact command that reruns it
     assert emulated_command(cfg) == "pdd compare --emulate emulated_70b --repeats 2"
     assert emulated_command(CompareConfig(repeats=3, naive_once=True, emulate=sc, graphs=("graphs/pdd.yaml",))) == (
         "pdd compare --emulate emulated_70b --repeats 3 --naive-once --graphs graphs/pdd.yaml")
     typed = "pdd compare --emulate emulated_70b --repeats 3 --naive-once --seed 7"  # as the cli passes it
     assert emulated_command(CompareConfig(emulate=sc, command=typed)) == typed
-    summaries = {n: summarize_graph(r, cfg.sla, dict(cfg.site_chips), load_catalog(cfg.catalog))
+    summaries = {n: summarize_graph(r, cfg.sla, dict(cfg.site_chips), costmodel.load_catalog(cfg.catalog))
                  for n, r in results.items()}
     fl = floors(results)
     assert set(fl) == set(results)  # emulated: every graph, same-DC included, has a modeled floor

@@ -10,7 +10,7 @@ from pdd_serve.engine import model as model_mod
 from pdd_serve.engine.engine import Engine
 from pdd_serve.engine.model import AttnContext
 from pdd_serve.engine.sampling import SamplingParams
-from tests.engine.test_engine import _prompt
+from tests.helpers import make_prompt
 
 
 def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
@@ -60,7 +60,7 @@ def test_mixed_length_batch_matches_transformers(which, request):
     hf = AutoModelForCausalLM.from_pretrained(path).eval()
     eng = Engine.from_pretrained(path, block_size=16, enable_prefix_cache=False)
     lengths = [3, 300, 17, 129, 40, 250, 9, 64]
-    prompts = [_prompt(n, 50 + i) for i, n in enumerate(lengths)]
+    prompts = [make_prompt(n, 50 + i) for i, n in enumerate(lengths)]
     sp = SamplingParams(20, ignore_eos=True)
     seqs = [eng.add(f"m{i}", p, sp) for i, p in enumerate(prompts)]
     for s in seqs:
@@ -76,7 +76,7 @@ def test_mixed_length_batch_matches_transformers(which, request):
 def test_grouping_changes_no_token(model_dir, monkeypatch):
     """The same mixed batch with one dense group (every row padded to the longest) and with groups."""
     eng = Engine.from_pretrained(model_dir, block_size=8, enable_prefix_cache=False)
-    prompts = [_prompt(n, 7 + n) for n in (2, 90, 31, 200, 5, 150)]
+    prompts = [make_prompt(n, 7 + n) for n in (2, 90, 31, 200, 5, 150)]
     params = [SamplingParams(m, ignore_eos=True) for m in (25, 12, 30, 8, 18, 22)]
     grouped = eng.generate_batch(prompts, params)
     monkeypatch.setattr(model_mod, "GROUP_GROWTH", float("inf"))

@@ -21,8 +21,8 @@ import pytest
 from pdd_serve.engine.engine import Engine, Sequence
 from pdd_serve.engine.sampling import SamplingParams
 from pdd_serve.serve.common import take_over
-from tests.engine.test_engine import _prompt
-from tests.serve.test_orchestrator import InProcessBackends, _full_md_prepare, _orch, _run
+from tests.helpers import make_prompt
+from tests.serve.inprocess import InProcessBackends, full_md_prepare, orchestrator, run_request
 
 
 def _assert_pool_consistent(eng: Engine, live: list[Sequence] = ()) -> None:
@@ -49,9 +49,9 @@ def test_a_release_into_a_full_locked_cache_keeps_every_block(model_dir):
     a finishing request offers stay its own until the cache owns them (before the fix: its insert
     evicted them first and the pool counted them free: `incref of free block`)."""
     eng = _tight(model_dir, 64, 4)
-    a = eng.add("a", _prompt(65, 1), SamplingParams(8))
+    a = eng.add("a", make_prompt(65, 1), SamplingParams(8))
     eng.prefill(a)  # 4 full blocks: the cache's whole budget, locked by `a`
-    b = eng.add("b", _prompt(40, 2), SamplingParams(8))
+    b = eng.add("b", make_prompt(40, 2), SamplingParams(8))
     eng.prefill(b)  # over budget, nothing else evictable
     _assert_pool_consistent(eng, [a, b])
     eng.release(b)
@@ -63,8 +63,8 @@ def test_a_release_into_a_full_locked_cache_keeps_every_block(model_dir):
 def test_preemption_and_release_into_a_tight_cache_give_every_request_its_greedy_tokens(model_dir):
     """Many requests sharing a prefix through a pool small enough to preempt and a cache at its
     budget: each request's tokens equal its own single-request generate, nothing leaks."""
-    shared = _prompt(48, 3)
-    prompts = [shared + _prompt(20 + 7 * i, 10 + i) for i in range(5)]
+    shared = make_prompt(48, 3)
+    prompts = [shared + make_prompt(20 + 7 * i, 10 + i) for i in range(5)]
     ref = Engine.from_pretrained(model_dir)
     want = [ref.generate(p, 50) for p in prompts]
     eng = _tight(model_dir, 28, 4)
@@ -77,7 +77,7 @@ def _rewrite_under_its_name(eng: Engine, hashes: list[int], k: int, seed: int) -
     """What the bug left behind: cached block `k` of a chain, freed under its name and rewritten by
     another request (its KV and its tag now that request's). Returns the pool block."""
     b = eng.cache.nodes[hashes[k]].value
-    other = eng.add("other", _prompt(40, seed), SamplingParams(1))
+    other = eng.add("other", make_prompt(40, seed), SamplingParams(1))
     eng.prefill(other, use_cache=False)
     src = other.block_table[0]
     eng.pool.data[b] = eng.pool.data[src]
@@ -88,7 +88,7 @@ def _rewrite_under_its_name(eng: Engine, hashes: list[int], k: int, seed: int) -
 
 def test_a_decoder_given_a_wrong_context_refuses_it_and_recomputes(model_dir):
     eng = Engine.from_pretrained(model_dir)
-    prompt = _prompt(70, 4)
+    prompt = make_prompt(70, 4)
     want = eng.generate(prompt, 30, use_cache=False)
     seq = eng.add("s", prompt, SamplingParams(30))
     eng.prefill(seq, use_cache=False)
@@ -108,7 +108,7 @@ def test_a_decoder_given_a_wrong_context_refuses_it_and_recomputes(model_dir):
 
 def test_a_cached_prefix_rewritten_under_its_name_is_not_adopted(model_dir):
     eng = Engine.from_pretrained(model_dir)
-    prompt = _prompt(90, 5)
+    prompt = make_prompt(90, 5)
     want = eng.generate(prompt, 20)  # caches the prompt's blocks
     _rewrite_under_its_name(eng, eng.hash_chain(eng.add("h", prompt, SamplingParams(1))), 2, 77)
     assert eng.generate(prompt, 20) == want
@@ -123,7 +123,7 @@ def test_the_context_check_costs_microseconds_per_block(model_dir):
     import time
 
     eng = Engine.from_pretrained(model_dir)
-    seq = eng.add("s", _prompt(480, 6), SamplingParams(1))
+    seq = eng.add("s", make_prompt(480, 6), SamplingParams(1))
     eng.prefill(seq, use_cache=False)
     t0 = time.perf_counter()
     for _ in range(100):
@@ -153,7 +153,7 @@ def _md0_first(orch) -> None:
 def test_each_path_that_diverged_continues_from_its_own_context(model_dir, path):
     from pdd_serve.serve.relay import RelaySaturated
 
-    prompt = _prompt(100, 60)
+    prompt = make_prompt(100, 60)
     want = Engine.from_pretrained(model_dir).generate(prompt, 48)
 
     class Backends(InProcessBackends):
@@ -166,16 +166,16 @@ def test_each_path_that_diverged_continues_from_its_own_context(model_dir, path)
     b = Backends(model_dir, num_md=2, wan_delay_s=0.15, relay_step_s=0.01)
     b.fail_md_after = {0: 4}  # MD 0 is lost a few tokens after it took the request over
     if path == "md_lost_md_full_relay_finish":
-        _full_md_prepare(b, {1})  # the other MD is full: the relay finishes from P's prefix cache
+        full_md_prepare(b, {1})  # the other MD is full: the relay finishes from P's prefix cache
         _poisoned(b, b.p, prompt)
     else:  # the request migrates to MD 1, whose DRC holds the rewritten block
         _poisoned(b, b.mds[1], prompt)
-    orch = _orch(b, kv_wait_timeout_s=3.0, max_migrations=1)
+    orch = orchestrator(b, kv_wait_timeout_s=3.0, max_migrations=1)
 
     async def main():
         await orch.refresh_views()
         _md0_first(orch)
-        return await _run(orch, prompt, 48, {"pipeline": "P-RLD-MD", "handoff_mode": "one-shot"},
+        return await run_request(orch, prompt, 48, {"pipeline": "P-RLD-MD", "handoff_mode": "one-shot"},
                           fresh_view=False)
 
     out, st = asyncio.run(main())

@@ -13,11 +13,7 @@ from pdd_serve.engine.engine import Engine
 from pdd_serve.engine.kv import KVError
 from pdd_serve.engine.model import CheckpointError
 from pdd_serve.engine.sampling import MIN_TEMPERATURE, RequestError, SamplingParams, sample
-
-
-def _prompt(n: int, seed: int, vocab: int = 512) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (n,), generator=g).tolist()
+from tests.helpers import make_prompt
 
 
 def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
@@ -33,7 +29,7 @@ def test_greedy_matches_transformers_with_and_without_prefix_hit(which, request)
     hf = AutoModelForCausalLM.from_pretrained(path).eval()
     eng = Engine.from_pretrained(path, block_size=16)
     for n, seed in [(1, 0), (7, 1), (16, 2), (33, 3), (130, 4)]:
-        prompt = _prompt(n, seed)
+        prompt = make_prompt(n, seed)
         ref = _hf_greedy(hf, prompt, 24)
         assert eng.generate(prompt, 24) == ref, f"cold, prompt length {n}"
         # the same prompt again is served from the prefix cache (all but the last block)
@@ -41,14 +37,14 @@ def test_greedy_matches_transformers_with_and_without_prefix_hit(which, request)
         assert eng.generate(prompt, 24) == ref, f"prefix hit, prompt length {n}"
         assert n < 17 or eng.cache.stats.hit_tokens > hits_before
     # a longer prompt sharing a cached prefix computes only its suffix and still matches
-    base = _prompt(130, 4)
-    longer = base + _prompt(20, 9)
+    base = make_prompt(130, 4)
+    longer = base + make_prompt(20, 9)
     assert eng.generate(longer, 16) == _hf_greedy(hf, longer, 16)
 
 
 def test_extend_then_decode_equals_plain_decode(model_dir):
     eng = Engine.from_pretrained(model_dir, block_size=16)
-    prompt = _prompt(40, 5)
+    prompt = make_prompt(40, 5)
     ref = eng.generate(prompt, 40, use_cache=False)
     for k in (1, 5, 16, 23):
         seq = eng.add("x", prompt, SamplingParams(40))
@@ -65,7 +61,7 @@ def test_extend_then_decode_equals_plain_decode(model_dir):
 
 def test_chunked_prefill_and_catchup_batches_equal_generate(model_dir):
     eng = Engine.from_pretrained(model_dir, block_size=16)
-    prompt = _prompt(150, 12)
+    prompt = make_prompt(150, 12)
     ref = eng.generate(prompt, 30, use_cache=False)
     seen: list[int] = []
     s = eng.add("c", prompt, SamplingParams(30))
@@ -82,7 +78,7 @@ def test_chunked_prefill_and_catchup_batches_equal_generate(model_dir):
 
 def test_batched_decode_equals_each_alone(model_dir):
     eng = Engine.from_pretrained(model_dir, block_size=16, enable_prefix_cache=False)
-    prompts = [_prompt(n, 10 + n) for n in (3, 17, 31, 64, 100, 5)]
+    prompts = [make_prompt(n, 10 + n) for n in (3, 17, 31, 64, 100, 5)]
     params = [SamplingParams(m, ignore_eos=True) for m in (12, 30, 7, 25, 18, 40)]
     alone = [eng.generate_batch([p], sp)[0] for p, sp in zip(prompts, params)]
     together = eng.generate_batch(prompts, params)
@@ -93,7 +89,7 @@ def test_batched_decode_equals_each_alone(model_dir):
 
 def test_requests_join_and_leave_between_steps(model_dir):
     eng = Engine.from_pretrained(model_dir, block_size=8, enable_prefix_cache=False)
-    pa, pb = _prompt(20, 1), _prompt(9, 2)
+    pa, pb = make_prompt(20, 1), make_prompt(9, 2)
     ref_a, ref_b = eng.generate(pa, 20), eng.generate(pb, 10)
     a = eng.add("a", pa, SamplingParams(20))
     eng.prefill(a)
@@ -110,7 +106,7 @@ def test_kv_moves_between_engines_and_handoff_by_token_ids(model_dir):
     """P computes the prompt, a relay decodes a few tokens from the imported KV, MD gets only the
     prompt KV plus the relay's token ids, extends, and finishes: the output equals generate."""
     p, rld, md = (Engine.from_pretrained(model_dir, block_size=16) for _ in range(3))
-    prompt = _prompt(75, 7)
+    prompt = make_prompt(75, 7)
     ref = p.generate(prompt, 30, use_cache=False)
     sp = SamplingParams(30)
 
@@ -137,9 +133,9 @@ def test_kv_moves_between_engines_and_handoff_by_token_ids(model_dir):
 
 def test_md_imports_only_blocks_its_drc_lacks(model_dir):
     p, md = Engine.from_pretrained(model_dir), Engine.from_pretrained(model_dir)
-    turn1 = _prompt(50, 3)
+    turn1 = make_prompt(50, 3)
     md.generate(turn1, 4)  # MD's DRC now holds turn 1's full blocks
-    turn2 = turn1 + _prompt(40, 4)
+    turn2 = turn1 + make_prompt(40, 4)
     ref = p.generate(turn2, 12, use_cache=False)
     s_p = p.add("t2", turn2, SamplingParams(12))
     first = p.prefill(s_p)
@@ -155,14 +151,14 @@ def test_md_imports_only_blocks_its_drc_lacks(model_dir):
 
 def test_import_rejects_kv_of_other_tokens(model_dir):
     a, b = Engine.from_pretrained(model_dir), Engine.from_pretrained(model_dir)
-    s = a.add("x", _prompt(32, 1), SamplingParams(4))
+    s = a.add("x", make_prompt(32, 1), SamplingParams(4))
     a.prefill(s)
-    other = b.add("y", _prompt(32, 2), SamplingParams(4))
+    other = b.add("y", make_prompt(32, 2), SamplingParams(4))
     with pytest.raises(KVError, match="do not belong"):
         b.import_kv(other, a.export_kv(s))
     kv = a.export_kv(s)
     kv.data[0, 0, 0, 0, 0, 0] += 1.0
-    mine = b.add("x", _prompt(32, 1), SamplingParams(4))
+    mine = b.add("x", make_prompt(32, 1), SamplingParams(4))
     with pytest.raises(KVError, match="checksum"):
         b.import_kv(mine, kv)
     assert mine.num_computed == 0
@@ -170,7 +166,7 @@ def test_import_rejects_kv_of_other_tokens(model_dir):
 
 def test_seeded_sampling_is_reproducible_and_survives_a_handoff(model_dir):
     eng = Engine.from_pretrained(model_dir)
-    prompt = _prompt(20, 8)
+    prompt = make_prompt(20, 8)
     kw = dict(temperature=1.3, top_p=0.9, top_k=50)
     a = eng.generate(prompt, 30, seed=123, **kw)
     assert eng.generate(prompt, 30, seed=123, **kw) == a
@@ -189,7 +185,7 @@ def test_seeded_sampling_is_reproducible_and_survives_a_handoff(model_dir):
 
 def test_stop_tokens_and_max_tokens(model_dir):
     eng = Engine.from_pretrained(model_dir)
-    prompt = _prompt(10, 11)
+    prompt = make_prompt(10, 11)
     out = eng.generate(prompt, 20)
     stop = out[5]
     cut = eng.generate(prompt, 20, stop_token_ids=[stop])
@@ -241,7 +237,7 @@ def test_sampling_is_total_over_accepted_temperatures(model_dir):
     """1e-40 used to give NaN probabilities and a multinomial crash (retried as a prefill fault).
     Below MIN_TEMPERATURE sampling is greedy; above it, float64 keeps softmax finite."""
     eng = Engine.from_pretrained(model_dir)
-    prompt = _prompt(20, 11)
+    prompt = make_prompt(20, 11)
     greedy = eng.generate(prompt, 16)
     for t in (1e-40, 5e-324, 1e-6, 1e-4):  # 1e-4 samples, but from a distribution that is one-hot
         assert eng.generate(prompt, 16, temperature=t, seed=3) == greedy, t

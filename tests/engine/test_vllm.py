@@ -327,10 +327,10 @@ APP = "pdd_vllm"
 def graph(ray_two_sites, tmp_path_factory):
     from ray import serve
 
-    from tests.serve.test_serve_graph import _free_port
+    from tests.helpers import free_port
 
     serve.shutdown()
-    port = _free_port()
+    port = free_port()
     doc = yaml.safe_load((ROOT / "graphs/pdd_vllm.yaml").read_text())
     doc["http_options"]["port"] = port
     app = doc["applications"][0]
@@ -347,7 +347,7 @@ def graph(ray_two_sites, tmp_path_factory):
                           env=dict(os.environ), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     url = f"http://127.0.0.1:{port}"
-    from tests._cluster import running_mds
+    from tests.cluster_fixture import running_mds
 
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -427,7 +427,7 @@ def test_vllm_md_killed_mid_stream_migrates_by_token_ids(graph, veng):
     import ray
 
     from pdd_serve.serve.pinning import replica_actors
-    from tests._cluster import running_mds
+    from tests.cluster_fixture import running_mds
 
     prompt, n = _prompt(300, 500), 1500
     want = veng.generate_batch([prompt], SamplingParams(n, ignore_eos=True))[0]

@@ -10,12 +10,12 @@ from pdd_serve.engine.engine import Engine
 from pdd_serve.engine.kv import OutOfBlocksError, PoolFullError
 from pdd_serve.engine.sampling import RequestError, SamplingParams
 from pdd_serve.engine.worker import EngineWorker
-from tests.engine.test_engine import _prompt
+from tests.helpers import make_prompt
 
 
 def test_concurrent_decodes_join_and_leave_the_batch(model_dir):
     eng = Engine.from_pretrained(model_dir, enable_prefix_cache=False)
-    prompts = [_prompt(n, n) for n in (5, 40, 17, 90)]
+    prompts = [make_prompt(n, n) for n in (5, 40, 17, 90)]
     lens = [20, 8, 30, 12]
     refs = [eng.generate(p, m) for p, m in zip(prompts, lens)]
     worker = EngineWorker(eng, max_batch=3)
@@ -43,7 +43,7 @@ def test_a_consumer_that_stops_early_leaves_the_batch(model_dir):
     worker = EngineWorker(eng)
 
     async def main() -> int:
-        seq = eng.add("x", _prompt(10, 1), SamplingParams(50, ignore_eos=True))
+        seq = eng.add("x", make_prompt(10, 1), SamplingParams(50, ignore_eos=True))
         await worker.call(eng.prefill, seq)
         n = 0
         async for _ in worker.decode(seq):
@@ -63,8 +63,8 @@ def test_a_full_pool_preempts_and_resumes_without_losing_a_token(model_dir, pref
     """More decoding KV than the pool holds: the youngest request is preempted and recomputed
     later, every stream equals one engine's greedy generate, and nothing stays allocated."""
     ref_eng = Engine.from_pretrained(model_dir, enable_prefix_cache=False)
-    shared = _prompt(16, 99)  # a shared prefix, so with the cache on the recompute can hit
-    prompts = [shared + _prompt(n, 100 + i) for i, n in enumerate((5, 12, 20, 9, 30))]
+    shared = make_prompt(16, 99)  # a shared prefix, so with the cache on the recompute can hit
+    prompts = [shared + make_prompt(n, 100 + i) for i, n in enumerate((5, 12, 20, 9, 30))]
     refs = [ref_eng.generate(p, 48) for p in prompts]
     assert min(map(len, refs)) > 24  # long enough to outgrow the pool
     eng = Engine.from_pretrained(model_dir, kv_cache_bytes=12 * ref_eng.layout.block_bytes,
@@ -108,21 +108,21 @@ def test_admission_tells_not_now_from_never(model_dir):
     probe = Engine.from_pretrained(model_dir, enable_prefix_cache=False)
     eng = Engine.from_pretrained(model_dir, kv_cache_bytes=4 * probe.layout.block_bytes, enable_prefix_cache=False)
     with pytest.raises(RequestError, match="raise kv_cache_bytes"):  # can never fit: the client's fault
-        eng.add("big", _prompt(40, 1), SamplingParams(40))
-    a = eng.add("a", _prompt(40, 1), SamplingParams(8))
+        eng.add("big", make_prompt(40, 1), SamplingParams(40))
+    a = eng.add("a", make_prompt(40, 1), SamplingParams(8))
     eng.prefill(a)  # holds 3 of the 4 blocks
     with pytest.raises(PoolFullError, match="retry later"):
-        eng.add("b", _prompt(40, 2), SamplingParams(8))
+        eng.add("b", make_prompt(40, 2), SamplingParams(8))
     with pytest.raises(OutOfBlocksError):  # and it is not a RequestError: the orchestrator may retry it
-        eng.add("b", _prompt(40, 2), SamplingParams(8))
+        eng.add("b", make_prompt(40, 2), SamplingParams(8))
     assert not issubclass(PoolFullError, ValueError)
     eng.release(a)
-    eng.release(eng.add("b", _prompt(40, 2), SamplingParams(8)))
+    eng.release(eng.add("b", make_prompt(40, 2), SamplingParams(8)))
 
 
 def test_generate_batch_admits_as_room_frees_and_matches_generate(model_dir):
     ref_eng = Engine.from_pretrained(model_dir, enable_prefix_cache=False)
-    prompts = [_prompt(n, 200 + n) for n in (30, 7, 45, 18, 26, 33)]
+    prompts = [make_prompt(n, 200 + n) for n in (30, 7, 45, 18, 26, 33)]
     refs = [ref_eng.generate(p, 40) for p in prompts]
     eng = Engine.from_pretrained(model_dir, kv_cache_bytes=10 * ref_eng.layout.block_bytes, enable_prefix_cache=False)
     assert eng.generate_batch(prompts, SamplingParams(40)) == refs
@@ -139,7 +139,7 @@ def test_an_extend_short_of_blocks_preempts_younger_decoders_not_itself(model_di
     """MD's handoff extend for an older request, on a full pool: the younger decoding request is
     preempted and resumes later; both equal one engine's greedy output."""
     ref_eng = Engine.from_pretrained(model_dir, enable_prefix_cache=False)
-    old_p, young_p = _prompt(40, 301), _prompt(40, 302)
+    old_p, young_p = make_prompt(40, 301), make_prompt(40, 302)
     old_ref, young_ref = ref_eng.generate(old_p, 60), ref_eng.generate(young_p, 30)
     assert len(old_ref) == 60 and len(young_ref) == 30
     eng = Engine.from_pretrained(model_dir, kv_cache_bytes=7 * ref_eng.layout.block_bytes, enable_prefix_cache=False)
@@ -152,7 +152,7 @@ def test_an_extend_short_of_blocks_preempts_younger_decoders_not_itself(model_di
     nxt = eng.extend(old, old_ref[len(old.output_ids):40])
     assert nxt == old_ref[40] and young.preempted and eng.preemptions == 1
     with pytest.raises(PoolFullError):  # preempted work goes first
-        eng.add("new", _prompt(5, 303), SamplingParams(4))
+        eng.add("new", make_prompt(5, 303), SamplingParams(4))
     while not old.finished:
         eng.step([old, young])
     eng.release(old)
@@ -174,7 +174,7 @@ def test_a_release_whose_caller_is_cancelled_still_frees_the_kv(model_dir):
     gate = threading.Event()
 
     async def main() -> None:
-        seq = eng.add("r", _prompt(40, 1), SamplingParams(4, ignore_eos=True))
+        seq = eng.add("r", make_prompt(40, 1), SamplingParams(4, ignore_eos=True))
         await w.call(eng.prefill, seq)
         assert eng.pool.num_free < free
         busy = asyncio.ensure_future(w.call(gate.wait, 10))  # the engine thread is busy

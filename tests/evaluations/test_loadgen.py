@@ -12,10 +12,11 @@ import httpx
 import pytest
 
 from evaluations.compare import TARGETS, first_token_hops, headline, outputs_identity, request_floor
-from evaluations.cost import CatalogError, bcr, hardware_cost, load_catalog
+from evaluations.cost import CatalogError, bcr, hardware_cost
 from evaluations.harness import prepare_graphs
 from evaluations.loadgen import SLA, LoadConfig, RequestRecord, run_workload, summarize_run
 from evaluations.workloads import Session, Turn
+from pdd_serve.emulation.costmodel import CostModelError, load_catalog
 
 
 def _fake_server(calls: list[dict]) -> httpx.MockTransport:
@@ -159,10 +160,15 @@ def test_hardware_cost_and_bcr_from_the_catalog(tmp_path):
     assert "port: 18420" in graphs["pdd"].path.read_text()
     with pytest.raises(CatalogError, match="not in the catalog"):
         hardware_cost(graphs["pdd"].cfg, {"a": "tpu9", "b": "cpu"}, cat)
+    # a user's own catalog comes in through the one loader, with its schema; errors name the file
     bad = tmp_path / "chips.yaml"
-    bad.write_text("chips:\n  x: {price_per_hour: -1}\n")
-    with pytest.raises(CatalogError, match=str(bad)):
+    bad.write_text("chips:\n  x: {peak_tflops: 1, mem_gb: 1, mem_bw_gb_s: 1, interconnect_gb_s: 1, price_per_hour: -1}\n")
+    with pytest.raises(CostModelError, match=f"{bad}: chips.x.price_per_hour"):
         load_catalog(bad)
+    old = tmp_path / "old.yaml"  # the retired price catalog's fields are refused by name
+    old.write_text("chips:\n  x: {price_per_hour: 1, memory_gb: 80}\n")
+    with pytest.raises(CostModelError, match="chips.x.memory_gb: unknown field"):
+        load_catalog(old)
 
 
 def test_request_floor_counts_the_hops_and_bytes_the_first_token_needs():

@@ -22,9 +22,8 @@ import pytest
 import yaml
 
 from pdd_serve.serve.pinning import replica_actors
-from tests._cluster import running_mds
-from tests.serve.test_faults import _prompt, _ref, _wait_healthy
-from tests.serve.test_serve_graph import _free_port, _refs
+from tests.cluster_fixture import running_mds
+from tests.helpers import free_port, graph_prompt, greedy_ref, greedy_refs, wait_healthy
 
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,11 +58,11 @@ def graph(ray_two_sites, tmp_path_factory):
     from ray import serve
 
     serve.shutdown()
-    port = _free_port()
+    port = free_port()
     path = tmp_path_factory.mktemp("scale") / "graph.yaml"
     _deploy(_doc(port, 2), path)
     url = f"http://127.0.0.1:{port}"
-    _wait_healthy(url, 600)
+    wait_healthy(url, 600)
     _wait_replicas(2)
     yield url, port, path
     serve.delete(APP)
@@ -139,9 +138,9 @@ def test_handoff_calls_reach_the_replica_that_holds_the_request(graph, ref_engin
     # tokens were not always enough on a loaded CI box: RLD finished a catch-up before its last batch)
     size = {"P-RLD-MD": (1000, 800), "P-MD": (300, 100)}
     with ThreadPoolExecutor(len(jobs)) as pool:
-        outs = list(pool.map(lambda j: _stream(url, _prompt(j[1], size[j[0]["pipeline"]][0]),
+        outs = list(pool.map(lambda j: _stream(url, graph_prompt(j[1], size[j[0]["pipeline"]][0]),
                                                size[j[0]["pipeline"]][1], j[0]), jobs))
-    want = _refs(ref_engine, [(_prompt(seed, size[pdd["pipeline"]][0]), size[pdd["pipeline"]][1]) for pdd, seed in jobs])
+    want = greedy_refs(ref_engine, [(graph_prompt(seed, size[pdd["pipeline"]][0]), size[pdd["pipeline"]][1]) for pdd, seed in jobs])
     for (pdd, _), (ids, info), ref in zip(jobs, outs, want):
         assert ids == ref, info
         assert info["fallbacks"] == [], info  # no call went astray (a refused pin would show as md_lost)
@@ -174,11 +173,11 @@ def test_two_routers_never_admit_more_than_the_relay_pool_holds(graph, ref_engin
     n, seeds = 120, range(40, 48)  # 8 forced relay requests at once over 2 Routers, a pool of 3
     try:
         with ThreadPoolExecutor(len(seeds)) as pool:
-            outs = list(pool.map(lambda s: _stream(url, _prompt(s, 600), n, {"pipeline": "P-RLD-MD"}), seeds))
+            outs = list(pool.map(lambda s: _stream(url, graph_prompt(s, 600), n, {"pipeline": "P-RLD-MD"}), seeds))
     finally:
         done.set()
         sampler.join()
-    for (ids, info), ref in zip(outs, _refs(ref_engine, [(_prompt(s, 600), n) for s in seeds])):
+    for (ids, info), ref in zip(outs, greedy_refs(ref_engine, [(graph_prompt(s, 600), n) for s in seeds])):
         assert ids == ref, info
     peak = max(h.stats.remote().result(timeout_s=30).extra["peak_live"] for h in relays)
     assert max(seen) <= RELAY_MAX and peak <= RELAY_MAX, (seen, peak)
@@ -193,7 +192,7 @@ def test_a_replica_removed_mid_stream_loses_no_token(graph, ref_engine):
     n, seeds = 1200, (61, 62, 63, 64)
     starts = [threading.Event() for _ in seeds]
     with ThreadPoolExecutor(len(seeds)) as pool:
-        futs = [pool.submit(_stream, url, _prompt(s, 500), n, {"pipeline": "P-MD"}, ev) for s, ev in zip(seeds, starts)]
+        futs = [pool.submit(_stream, url, graph_prompt(s, 500), n, {"pipeline": "P-MD"}, ev) for s, ev in zip(seeds, starts)]
         for ev in starts:
             assert ev.wait(120)
         before = {r: h.stats.remote().result(timeout_s=30).running for r, h in _mds().items()}
@@ -203,7 +202,7 @@ def test_a_replica_removed_mid_stream_loses_no_token(graph, ref_engine):
     (kept,) = after
     removed = [r for r in before if r != kept]
     assert removed and kept in before, (before, kept)
-    for (ids, info), ref in zip(outs, _refs(ref_engine, [(_prompt(s, 500), n) for s in seeds])):
+    for (ids, info), ref in zip(outs, greedy_refs(ref_engine, [(graph_prompt(s, 500), n) for s in seeds])):
         assert ids == ref, info
         assert info["md_replica"] == kept, info
     moved = [info for _, info in outs if info["fallbacks"]]
@@ -222,7 +221,7 @@ def test_a_new_md_replica_gets_new_requests_under_load(graph, ref_engine):
     def load() -> None:  # keeps the old replica decoding
         i = 0
         while not stop.is_set():
-            busy.append(_stream(url, _prompt(80 + i, 300), 400, {"pipeline": "P-MD"}))
+            busy.append(_stream(url, graph_prompt(80 + i, 300), 400, {"pipeline": "P-MD"}))
             i += 1
 
     loaders = [threading.Thread(target=load) for _ in range(2)]
@@ -237,8 +236,8 @@ def test_a_new_md_replica_gets_new_requests_under_load(graph, ref_engine):
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not any(i["md_replica"] in new for _, i in got):
             s = 90 + len(got)
-            ids, info = _stream(url, _prompt(s, 300), 20, {"pipeline": "P-MD"})
-            assert ids == _ref(ref_engine, _prompt(s, 300), 20), info
+            ids, info = _stream(url, graph_prompt(s, 300), 20, {"pipeline": "P-MD"})
+            assert ids == greedy_ref(ref_engine, graph_prompt(s, 300), 20), info
             got.append((ids, info))
         assert any(i["md_replica"] in new for _, i in got), [i["md_replica"] for _, i in got]
     finally:

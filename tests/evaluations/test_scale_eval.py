@@ -10,7 +10,7 @@ import pytest
 
 from evaluations.harness import EvalError
 from evaluations.loadgen import SLA, RequestRecord
-from evaluations.scale import (
+from evaluations.scale_parts import (
     JSON_KEYS,
     Sample,
     ScaleConfig,

@@ -12,12 +12,15 @@ from typing import Any
 import pytest
 
 from evaluations.sim import simulator as simmod
-from evaluations.sim.config import ChipSpec, ModelSpec, SimConfigError, load_scenario
+from evaluations.sim.config import ScenarioError, load_scenario
+from evaluations.sim.instances import PrefillJob
 from evaluations.sim.metrics import max_goodput, summarize
-from evaluations.sim.simulator import Simulation, _PJob
+from evaluations.sim.simulator import Simulation
 from evaluations.sim.workload import SimRequest, Workload, mooncake_trace, synthetic
 from pdd_serve import policy
 from pdd_serve.emulation.costmodel import (
+    ChipSpec,
+    ModelShape,
     decode_series,
     decode_step_time,
     kv_capacity_tokens,
@@ -25,11 +28,15 @@ from pdd_serve.emulation.costmodel import (
     weight_bytes_read,
 )
 
-TINY = """\
-name: tiny
+# the scenario's own chips, a user's catalog beside it (`catalog:`), read by the one loader
+TINY_CHIPS = """\
 chips:
   a: {peak_tflops: 100, mem_gb: 40, mem_bw_gb_s: 1000, interconnect_gb_s: 25, price_per_hour: 1.0, forward_overhead_ms: 2}
   b: {peak_tflops: 30, mem_gb: 80, mem_bw_gb_s: 2000, interconnect_gb_s: 25, price_per_hour: 1.2, forward_overhead_ms: 2}
+"""
+TINY = """\
+name: tiny
+catalog: tiny_chips.yaml
 model: {name: tiny, params_b: 7, layers: 32, hidden: 4096, attn_dim: 4096, kv_bytes_per_token: 65536, bytes_per_param: 1}
 workload: {kind: synthetic, requests: 200, rate_rps: 4, input_tokens: 4096, output_tokens: 64, block_size: 256,
            families: 20, hit_mixture: [[0.7, 0.9, 1.0], [0.3, 0.0, 0.6]], anomalous_fraction: 0.05,
@@ -56,11 +63,16 @@ plan: {target_rps: 3, chips_site_a: [a], chips_site_b: [b], link: wan, horizon_s
 """
 
 
+def _write(tmp_path: Path, scenario: str = TINY, chips: str = TINY_CHIPS, name: str = "tiny.yaml") -> Path:
+    (tmp_path / "tiny_chips.yaml").write_text(chips)
+    p = tmp_path / name
+    p.write_text(scenario)
+    return p
+
+
 @pytest.fixture
 def tiny(tmp_path: Path):
-    p = tmp_path / "tiny.yaml"
-    p.write_text(TINY)
-    return load_scenario(p)
+    return load_scenario(_write(tmp_path))
 
 
 def _chip(**kw) -> ChipSpec:
@@ -70,10 +82,10 @@ def _chip(**kw) -> ChipSpec:
     return ChipSpec(**d)
 
 
-def _model(**kw) -> ModelSpec:
+def _model(**kw) -> ModelShape:
     d = dict(name="m", params_b=1.0, layers=2, hidden=8, attn_dim=4, kv_bytes_per_token=10, bytes_per_param=1.0)
     d.update(kw)
-    return ModelSpec(**d)
+    return ModelShape(**d)
 
 
 # ---------------------------------------------------------------- roofline
@@ -160,16 +172,16 @@ def test_simulator_uses_the_real_policy(tiny) -> None:
 
 
 def test_prefill_tail_chunks(tiny) -> None:
-    """A long prompt's tail chunk runs alone (PDD.md) unless packing is on."""
+    """A long prompt's tail chunk runs alone (docs/pdd.md) unless packing is on."""
     for mode, forwards in (("alone", 3), ("packed", 2), ("padded", 3)):
         sc = dataclasses.replace(tiny, scheduler=dataclasses.replace(tiny.scheduler, tail_chunk=mode))
         sim = Simulation(sc, sc.deployments["same_dc"], Workload([], [], 256))
         p = sim.ps[0]
         a = SimRequest(0, 0.0, 2148, 2, ())
         b = SimRequest(1, 0.0, 500, 2, ())
-        sim._prefill_done = lambda job, inst: None  # type: ignore[method-assign]  # prefill only
-        p.submit(_PJob(a, 2148, 0))
-        p.submit(_PJob(b, 500, 0))
+        sim.prefill_done = lambda job, inst: None  # type: ignore[method-assign]  # prefill only
+        p.submit(PrefillJob(a, 2148, 0))
+        p.submit(PrefillJob(b, 500, 0))
         sim.run()
         assert p.forwards == forwards, mode
         assert p.backlog == 0
@@ -211,10 +223,9 @@ def test_mooncake_trace(tmp_path: Path, tiny) -> None:
     ("wan_budget_s: 0.1", "wan_budget_s: -1", "deployments.pdd.policy"),
 ])
 def test_config_errors_name_file_and_field(tmp_path: Path, old: str, new: str, where: str) -> None:
-    assert old in TINY
-    p = tmp_path / "bad.yaml"
-    p.write_text(TINY.replace(old, new, 1))
-    with pytest.raises(SimConfigError) as e:
+    assert old in TINY + TINY_CHIPS
+    p = _write(tmp_path, TINY.replace(old, new, 1), TINY_CHIPS.replace(old, new, 1), "bad.yaml")
+    with pytest.raises(ScenarioError) as e:
         load_scenario(p)
     assert str(p) in str(e.value) and where in str(e.value), str(e.value)
 
@@ -223,7 +234,7 @@ def test_builtin_scenarios_load() -> None:
     for name in ("report", "mooncake", "cpu_validate"):
         sc = load_scenario(name)
         assert sc.deployments and sc.chips
-    with pytest.raises(SimConfigError, match="unknown scenario"):
+    with pytest.raises(ScenarioError, match="unknown scenario"):
         load_scenario("no-such-scenario")
 
 
@@ -248,9 +259,9 @@ def test_planner_meets_sla_in_simulation(tiny, tmp_path: Path) -> None:
     b = res.best
     assert b.counts["prefill"] >= 1 and b.counts["relay"] >= 1 and b.counts["main_decode"] >= 1
     # feasible means: the SLA holds at the target load when simulated again
-    from evaluations.sim.planner import _deployment
+    from evaluations.sim.planner import planned_deployment
 
-    dep = _deployment(tiny, tiny.deployments["pdd"], "wan", b.chip_a, b.chip_b, b.counts)
+    dep = planned_deployment(tiny, tiny.deployments["pdd"], "wan", b.chip_a, b.chip_b, b.counts)
     s, _ = simulate(tiny, dep, synthetic(tiny.workload, rate_rps=3, requests=requests_for(3, 40)), warmup_s=5)
     assert s["attainment"] >= tiny.sla.attainment
     # cheaper than every other feasible candidate
@@ -328,7 +339,7 @@ def test_shared_pacer_is_processor_sharing() -> None:
     """pdd_serve's per-Prefill pacer interleaves concurrent streams batch by batch: two equal flows
     started together both end when 2x the bytes have crossed, and a small flow joining a big one
     is not queued behind it."""
-    from evaluations.sim.simulator import SharedPacer
+    from evaluations.sim.line import SharedPacer
     from pdd_serve.transport.link import LinkModel
 
     sim = _Clock()
@@ -345,7 +356,7 @@ def test_shared_pacer_is_processor_sharing() -> None:
 def test_shared_pacer_shares_the_line_per_stream() -> None:
     """A push runs on up to `streams` parallel Flight streams, one batch each, and the pacer shares
     the line per stream: a one-batch delta beside a large push gets a third at 2 streams, not half."""
-    from evaluations.sim.simulator import SharedPacer
+    from evaluations.sim.line import SharedPacer
     from pdd_serve.transport.link import LinkModel
 
     sim = _Clock()
@@ -364,12 +375,12 @@ def test_shared_pacer_shares_the_line_per_stream() -> None:
 def test_a_decoders_first_token_comes_after_its_first_step(tiny) -> None:
     """A request joining a decode batch has its first token when the batch's first step ends,
     not when it joins (MD's first step is part of a P->MD TTFT)."""
-    from evaluations.sim.simulator import _Member
+    from evaluations.sim.instances import Member
 
     sim = Simulation(tiny, tiny.deployments["pdmd"], Workload([], [], 256))
     md = sim.mds[0]
     got: list[float] = []
-    md.join(_Member(SimRequest(0, 0.0, 1000, 8, ()), 8, 1000, lambda m, t: got.append(t)))
+    md.join(Member(SimRequest(0, 0.0, 1000, 8, ()), 8, 1000, lambda m, t: got.append(t)))
     sim.run()
     assert got == [pytest.approx(decode_series(md.chip, sim.model, md.n, 1, 1000).time(1))] and got[0] > 0
 
@@ -540,8 +551,8 @@ def test_plan_for_a_trace_writes_a_servable_graph(tiny, tmp_path: Path, capsys) 
         lines.append(json.dumps({"timestamp": 500 * i, "input_length": 256 * len(ids) + 100,
                                  "output_length": 48, "hash_ids": ids}))
     trace.write_text("\n".join(lines) + "\n")
-    sc_path = tmp_path / "tiny_trace.yaml"
-    sc_path.write_text(TINY.replace("plan: {target_rps: 3,", "plan: {warmup_s: 5, wan_budgets: [0.05, 1.0],"))
+    sc_path = _write(tmp_path, TINY.replace("plan: {target_rps: 3,", "plan: {warmup_s: 5, wan_budgets: [0.05, 1.0],"),
+                     name="tiny_trace.yaml")
     out = tmp_path / "plan"
     rc = main(["plan", "--scenario", str(sc_path), "--trace", str(trace), "--out-dir", str(out), "--no-mlflow",
                "--no-progress"])
@@ -576,10 +587,11 @@ def test_kernel_shaped_wire_caps_the_paced_link() -> None:
     """`--shaped-link`: the LinkModel's pacing under a tbf wire never gets more than the wire's
     goodput, and exactly the model's rate where the model offers less; validate's --link swaps
     every cross-site graph onto it."""
+    from evaluations.sim.line import line_model
     from evaluations.sim.validate import with_link
 
     sc = load_scenario("cpu_validate")
-    paced, shaped = sc.links["wan"].build(2048), sc.links["wan_shaped"].build(2048)
+    paced, shaped = line_model(sc.links["wan"], 2048), line_model(sc.links["wan_shaped"], 2048)
     cap = 1.6e7 * sc.links["wan_shaped"].wire_goodput / 8
     e = paced.config.epoch_s
     below = 0
@@ -594,7 +606,7 @@ def test_kernel_shaped_wire_caps_the_paced_link() -> None:
     sw = with_link(sc, "wan_shaped")
     assert {n: d.link for n, d in sw.deployments.items()} == {
         "pd_same_dc": "same_dc", "pd_cross_dc": "wan_shaped", "pd_cross_dc_naive": "wan_shaped", "pdd": "wan_shaped"}
-    with pytest.raises(SimConfigError, match="not a link"):
+    with pytest.raises(ScenarioError, match="not a link"):
         with_link(sc, "nope")
 
 

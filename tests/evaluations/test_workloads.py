@@ -32,8 +32,8 @@ from evaluations.workloads import (
 
 def test_default_hit_distribution_is_skewed_like_pdd_md():
     d = HitDistribution()
-    assert 0.88 <= d.mean <= 0.92  # PDD.md: average hit ~90%
-    assert 0.70 <= d.share_above(0.95) <= 0.80  # PDD.md: 70-80% of requests hit > 95%
+    assert 0.88 <= d.mean <= 0.92  # docs/pdd.md: average hit ~90%
+    assert 0.70 <= d.share_above(0.95) <= 0.80  # docs/pdd.md: 70-80% of requests hit > 95%
     assert HitDistribution.parse(str(d)) == d
     assert HitDistribution.parse("0.5") == HitDistribution.point(0.5)
     for bad in ("0.5:x", "1:0.2-1.5", "-1:0.1", "0.5:0.9-0.8"):
@@ -165,14 +165,14 @@ def test_trace_replay_scales_tokens_shares_real_prefixes_and_keeps_time(tmp_path
     lines = [_line(0, 1024, 320, [0, 1]), _line(1000, 1500, 160, [0, 1, 2]), _line(2500, 700, 3, [0, 9]),
              _line(4000, 5000, 100, list(range(20, 30))), _line(9000, 600, 10, [0, 1])]
     p = _write(tmp_path, lines)
-    r = TraceReplay(path=str(p), block_tokens=32, time_scale=2.0, max_requests=None, max_context_tokens=300)
+    r = TraceReplay(path=str(p), block_tokens=32, gap_scale=2.0, max_requests=None, max_context_tokens=300)
     wl = trace_workload(r)
     params = dict(wl.params)
     assert params["input_scale"] == 32 / 512 and params["skipped_too_long"] == 1  # 5000 * 32/512 = 312 > 300
     turns = [s.turns[0] for s in wl.sessions]
     assert [len(t.tokens) for t in turns] == [64, 94, 44, 38]  # round(input_length * 32 / 512)
     assert [t.max_tokens for t in turns] == [20, 10, 8, 8]  # output scaled too, at least min_output_tokens
-    assert [s.start_s for s in wl.sessions] == [0.0, 2.0, 5.0, 18.0]  # trace time x time_scale
+    assert [s.start_s for s in wl.sessions] == [0.0, 2.0, 5.0, 18.0]  # trace time x gap_scale
     # equal hash ids are equal token ids: request 2 starts with request 1's two blocks
     assert turns[1].tokens[:64] == turns[0].tokens and turns[2].tokens[:32] == turns[0].tokens[:32]
     assert turns[3].tokens == turns[0].tokens[:38]

@@ -12,10 +12,10 @@ import pytest
 import yaml
 
 from pdd_serve.config import load_graph_yaml
+from pdd_serve.launch.cli import main
 from pdd_serve.launch.configs import (
     LaunchConfigError,
     graph_demands,
-    main,
     node_args,
     ray_schema,
     validate_cluster_config,

@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from pdd_serve.launch.checks import missing_nodes
-from pdd_serve.launch.configs import LaunchConfigError, main, node_args, validate_cluster_config
+from pdd_serve.launch.cli import main
+from pdd_serve.launch.configs import LaunchConfigError, node_args, validate_cluster_config
 from pdd_serve.launch.template import (
     GENERATED_MARK,
     RAY_VERSION,
@@ -91,7 +92,7 @@ def test_validate_refuses_drift_and_bad_metadata(tmp_path: Path, monkeypatch: py
     validate_cluster_config(ok)
     drifted = _copy(tmp_path, lambda t: t.replace("  - ray stop\n", "  - ray stop --force\n", 1), "drift.yaml")
     with pytest.raises(LaunchConfigError, match=r"drift\.yaml: setup_commands: the generated commands differ from "
-                                                r"metadata\.pdd\.launch .*run `python -m pdd_serve\.launch_configs render"):
+                                                r"metadata\.pdd\.launch .*run `python -m pdd_serve\.launch render"):
         validate_cluster_config(drifted)
     assert main(["render", "--check", str(drifted)]) == 1
     assert main(["render", str(drifted)]) == 0  # rewrites it: now it matches

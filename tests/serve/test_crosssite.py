@@ -130,7 +130,7 @@ def test_each_call_is_a_request_of_its_own_for_serves_request_router():
 
     from ray.serve import context as serve_context
 
-    from pdd_serve.serve.crosssite import _remote
+    from pdd_serve.serve.crosssite import remote_call
 
     seen = []
 
@@ -144,8 +144,8 @@ def test_each_call_is_a_request_of_its_own_for_serves_request_router():
     token = serve_context._serve_request_context.set(
         dataclasses.replace(serve_context._get_serve_request_context(), _internal_request_id="parent"))
     try:
-        _remote(H(), "prepare", None, ())
-        _remote(H(), "abort", "pin", (), stream=True)
+        remote_call(H(), "prepare", None, ())
+        remote_call(H(), "abort", "pin", (), stream=True)
         assert seen == ["", ""]
         assert serve_context._get_serve_request_context()._internal_request_id == "parent"  # untouched
     finally:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 import threading
@@ -21,9 +20,8 @@ import yaml
 
 from pdd_serve.checkpoints import default_model_path
 from pdd_serve.engine.engine import Engine
-from pdd_serve.engine.sampling import SamplingParams
-from tests._cluster import running_mds
-from tests.serve.test_serve_graph import _free_port
+from tests.cluster_fixture import running_mds
+from tests.helpers import free_port, graph_prompt, greedy_ref, wait_healthy
 
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,7 +34,7 @@ def graph(ray_two_sites, tmp_path_factory):
     from ray import serve
 
     serve.shutdown()  # forget any Serve client this process holds (an earlier test may have shut Serve down)
-    port = _free_port()
+    port = free_port()
     doc = yaml.safe_load((ROOT / "graphs/pdd_dev.yaml").read_text())
     doc["http_options"]["port"] = port
     doc["applications"][0]["name"] = APP
@@ -47,7 +45,7 @@ def graph(ray_two_sites, tmp_path_factory):
                           env=dict(os.environ), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     url = f"http://127.0.0.1:{port}"
-    _wait_healthy(url, 600)
+    wait_healthy(url, 600)
     deadline = time.monotonic() + 300
     while len(_mds()) < 2 and time.monotonic() < deadline:  # the Router is up; both MDs too
         time.sleep(1)
@@ -57,30 +55,9 @@ def graph(ray_two_sites, tmp_path_factory):
     serve.delete(APP)
 
 
-def _wait_healthy(url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    pytest.fail("graph not healthy")
-
-
 @pytest.fixture(scope="module")
 def ref_engine():
     return Engine.from_pretrained(default_model_path())
-
-
-def _ref(engine: Engine, prompt: list[int], n: int) -> list[int]:
-    return engine.generate_batch([prompt], SamplingParams(n, ignore_eos=True))[0]
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 2000) for _ in range(n)]
 
 
 def _handle(name: str):
@@ -126,7 +103,7 @@ def _replica_actor(deployment: str):
 def test_md_killed_mid_stream_migrates_to_another_md(graph, ref_engine):
     import ray
 
-    prompt, n = _prompt(1, 600), 1200  # MD decodes faster than the client reads: a long stream
+    prompt, n = graph_prompt(1, 600), 1200  # MD decodes faster than the client reads: a long stream
     killed: list[str] = []
     t_kill: list[float] = []
 
@@ -143,7 +120,7 @@ def test_md_killed_mid_stream_migrates_to_another_md(graph, ref_engine):
 
     ids, info = _stream(graph, prompt, n, {"pipeline": "P-MD"}, kill_holder)
     assert killed, "the MD holding the request was not found"
-    assert ids == _ref(ref_engine, prompt, n), info
+    assert ids == greedy_ref(ref_engine, prompt, n), info
     assert "md_lost" in info["fallbacks"], info
     # Serve replaces the killed replica (a new replica of the one deployment, started after the kill)
     deadline = time.monotonic() + 120
@@ -163,17 +140,17 @@ def test_md_killed_mid_stream_migrates_to_another_md(graph, ref_engine):
 
 def test_wan_cut_mid_transfer_redelivers_kv(graph, ref_engine):
     _handle("Prefill").inject.remote("cut").result(timeout_s=30)
-    prompt, n = _prompt(2, 1200), 60
+    prompt, n = graph_prompt(2, 1200), 60
     ids, info = _stream(graph, prompt, n, {"pipeline": "P-MD"})
-    assert ids == _ref(ref_engine, prompt, n), info
+    assert ids == greedy_ref(ref_engine, prompt, n), info
     assert info["fallbacks"] == ["kv_timeout"], info
 
 
 def test_wan_stall_on_relay_path_lets_relay_finish(graph, ref_engine):
     _handle("Prefill").inject.remote("stall", 30.0).result(timeout_s=30)
-    prompt, n = _prompt(3, 1200), 1000  # RLD is usually still decoding when the 8 s KV wait gives up
+    prompt, n = graph_prompt(3, 1200), 1000  # RLD is usually still decoding when the 8 s KV wait gives up
     ids, info = _stream(graph, prompt, n, {"pipeline": "P-RLD-MD"})
-    assert ids == _ref(ref_engine, prompt, n), info
+    assert ids == greedy_ref(ref_engine, prompt, n), info
     # a fast machine may let RLD finish before the wait gives up: the same outcome, no timeout needed
     # (the timeout path itself is pinned down in test_orchestrator's test_kv_timeout_on_relay_path...)
     assert info["md_tokens"] == 0 and set(info["fallbacks"]) <= {"kv_timeout"}, info
@@ -181,14 +158,14 @@ def test_wan_stall_on_relay_path_lets_relay_finish(graph, ref_engine):
 
 def test_prefill_killed_mid_prefill_is_retried(graph, ref_engine):
     _handle("Prefill").inject.remote("die_in_prefill").result(timeout_s=30)
-    prompt, n = _prompt(4, 900), 40
+    prompt, n = graph_prompt(4, 900), 40
     ids, info = _stream(graph, prompt, n, {"pipeline": "P-MD"})
-    assert ids == _ref(ref_engine, prompt, n), info
+    assert ids == greedy_ref(ref_engine, prompt, n), info
     assert "prefill_retry" in info["fallbacks"], info
 
 
 def test_flight_server_restart_mid_transfer(graph, ref_engine):
-    prompt, n = _prompt(5, 1500), 60
+    prompt, n = graph_prompt(5, 1500), 60
     out: dict = {}
 
     def run() -> None:
@@ -201,7 +178,7 @@ def test_flight_server_restart_mid_transfer(graph, ref_engine):
         h.inject.remote("restart_flight").result(timeout_s=30)
     t.join(timeout=180)
     ids, info = out["r"]
-    assert ids == _ref(ref_engine, prompt, n), info
+    assert ids == greedy_ref(ref_engine, prompt, n), info
     # lost with the restarted server, then re-delivered (again, if it raced the other MD's restart)
     assert info["fallbacks"] and set(info["fallbacks"]) == {"kv_timeout"}, info
 
@@ -209,7 +186,7 @@ def test_flight_server_restart_mid_transfer(graph, ref_engine):
 def test_saturated_relay_admits_no_more_and_loses_nothing(graph, ref_engine):
     from concurrent.futures import ThreadPoolExecutor
 
-    jobs = [(_prompt(100 + i, 500), 120) for i in range(8)]
+    jobs = [(graph_prompt(100 + i, 500), 120) for i in range(8)]
     # every transfer stalls 3 s on the line and RLD has 120 tokens to decode, so each relay stint
     # outlasts the arrival of the next RELAY_POOL prefills and the pool really fills, however fast or
     # loaded this machine is today (a pool of 8 was not always reached on a loaded CI box)
@@ -217,7 +194,7 @@ def test_saturated_relay_admits_no_more_and_loses_nothing(graph, ref_engine):
     with ThreadPoolExecutor(len(jobs)) as pool:
         results = list(pool.map(lambda j: _stream(graph, j[0], j[1], {"pipeline": "P-RLD-MD"}), jobs))
     for (prompt, n), (ids, info) in zip(jobs, results):
-        assert ids == _ref(ref_engine, prompt, n), info
+        assert ids == greedy_ref(ref_engine, prompt, n), info
     st = _handle("Relay").stats.remote().result(timeout_s=30)
     assert 0 < st.extra["peak_live"] <= RELAY_POOL, st.extra
     refused = [info for _, info in results if "relay_full" in info["fallbacks"]]
@@ -235,7 +212,7 @@ def _plasma_bytes() -> int:
 def test_relay_kv_copy_leaves_the_object_store_at_the_handoff(graph, ref_engine):
     """Item 2: Prefill's object-store copy of the prompt KV (for RLD) is freed when RLD is cut at
     the handoff, not when the request ends: MD goes on decoding while the store no longer holds it."""
-    prompt, n = _prompt(6, 1500), 900  # MD decodes for seconds after the cut: the samples see it
+    prompt, n = graph_prompt(6, 1500), 900  # MD decodes for seconds after the cut: the samples see it
     kv_bytes = -(-len(prompt) // 16) * ref_engine.layout.block_bytes  # ~3 MB
     base = _plasma_bytes()
     samples: list[tuple[int, int, int]] = []  # (relay live, MD running, object store bytes)
@@ -253,7 +230,7 @@ def test_relay_kv_copy_leaves_the_object_store_at_the_handoff(graph, ref_engine)
         time.sleep(0.2)
     t.join()
     ids, info = out["r"]
-    assert ids == _ref(ref_engine, prompt, n), info
+    assert ids == greedy_ref(ref_engine, prompt, n), info
     assert info["handoff_mode"] == "one-shot" and info["md_tokens"] > 0, info
     relay_phase = [b for live, _, b in samples if live]
     assert relay_phase and max(relay_phase) >= 0.9 * kv_bytes, (kv_bytes, samples)  # the copy was there
@@ -269,13 +246,13 @@ def test_relay_killed_mid_stream_md_takes_over(graph, ref_engine, pipeline):
     """The relay's process dies a few tokens into the stream (every stream it held dies with it):
     MD takes the request from the committed token ids; the Router's relay count stays true."""
     _handle("Relay").inject.remote("die_mid_stream", 4).result(timeout_s=30)
-    prompt, n = _prompt(7 if pipeline == "P-RLD" else 8, 1200), 300
+    prompt, n = graph_prompt(7 if pipeline == "P-RLD" else 8, 1200), 300
     ids, info = _stream(graph, prompt, n, {"pipeline": pipeline, **({"handoff_mode": "one-shot"}
                                                                       if pipeline == "P-RLD-MD" else {})})
-    assert ids == _ref(ref_engine, prompt, n), info
+    assert ids == greedy_ref(ref_engine, prompt, n), info
     assert "relay_lost" in info["fallbacks"] and info["md_tokens"] > 0, info
     assert _handle("Router").stats.remote().result(timeout_s=30)["relay_running"] == 0
-    _wait_healthy(graph, 60)
+    wait_healthy(graph, 60)
     deadline = time.monotonic() + 180  # Serve restores the relay before the next test
     while time.monotonic() < deadline:
         try:

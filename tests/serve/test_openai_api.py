@@ -13,17 +13,19 @@ from hypothesis import strategies as st
 
 from pdd_serve.config import ServerConfig
 from pdd_serve.serve.openai_api import (
-    SSE_DONE,
     APIError,
     CompletionRequest,
-    IncrementalDetokenizer,
     check_api_key,
+    internal_error,
+    parse_request,
+)
+from pdd_serve.serve.openai_output import (
+    SSE_DONE,
+    IncrementalDetokenizer,
     completion_chunk,
     completion_response,
-    internal_error,
     models_response,
     new_request_id,
-    parse_request,
     pdd_facts,
     sse,
     usage_chunk,

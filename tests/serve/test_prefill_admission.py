@@ -33,8 +33,10 @@ from pdd_serve.serve.messages import (
     RelaySaturated,
 )
 from pdd_serve.serve.request_state import Overloaded, RequestState, is_overloaded, refusal
-from tests.test_hygiene import _long_req, _no_cluster, _serve_once, _until, cfg  # noqa: F401 - fixtures
+from tests.helpers import until
+from tests.serve.replicas import long_request, serve_once
 
+pytestmark = pytest.mark.usefixtures("no_cluster")  # Prefill replicas are built here, without Ray
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -137,19 +139,19 @@ def test_admission_refuses_once_the_queue_is_past_the_budget(cfg) -> None:  # no
     from pdd_serve.serve.prefill import Prefill
 
     prefill = Prefill.func_or_class(cfg)
-    _serve_once(prefill)
+    serve_once(prefill)
     gate = threading.Event()
 
     async def main() -> None:
         cost = prefill.cost  # the calibration's two sizes and the first prefill's
         busy = asyncio.ensure_future(prefill.worker.call(gate.wait, 10))  # the engine thread is held
-        ahead = [asyncio.ensure_future(prefill.prefill(PrefillRequest(_long_req(f"ahead-{i}"), False, None,
+        ahead = [asyncio.ensure_future(prefill.prefill(PrefillRequest(long_request(f"ahead-{i}"), False, None,
                                                                       budget_s=60))) for i in range(2)]
-        await _until(lambda: prefill.queued == 2)
+        await until(lambda: prefill.queued == 2)
         assert prefill.queued_tokens == 800  # cold: every token to compute
         past = cost.seconds(3, 1200) / PREFILL_ADMIT_SHARE  # just what the queue and this one need
         with pytest.raises(PrefillBusy) as e:
-            await prefill.prefill(PrefillRequest(_long_req("shed"), False, None, budget_s=0.9 * past))
+            await prefill.prefill(PrefillRequest(long_request("shed"), False, None, budget_s=0.9 * past))
         words = str(e.value)
         assert "2 prefills queued ahead, 800 prompt tokens" in words and f"{0.9 * past:.3g}s budget" in words
         assert f"{cost.per_token_s * 1e3:.3g} ms/token" in words
@@ -159,7 +161,7 @@ def test_admission_refuses_once_the_queue_is_past_the_budget(cfg) -> None:  # no
         await busy
         await asyncio.gather(*ahead)
         assert prefill.queued == prefill.queued_tokens == 0  # now idle: the same request is taken
-        await prefill.prefill(PrefillRequest(_long_req("shed"), False, None, budget_s=60))
+        await prefill.prefill(PrefillRequest(long_request("shed"), False, None, budget_s=60))
 
     free = prefill.engine.pool.num_free
     try:

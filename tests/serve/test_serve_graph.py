@@ -9,7 +9,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -21,17 +20,12 @@ import yaml
 
 from pdd_serve.checkpoints import default_model_path
 from pdd_serve.engine.engine import Engine
+from tests.helpers import free_port, greedy_ref, greedy_refs
 
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "sk-pdd-test"
-EMULATE = {"model": "llama-3-8b", "time_scale": 3, "a": {"chip": "h100-sxm", "tp": 1}, "b": {"chip": "h20", "tp": 1}}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+EMULATE = {"model": "llama-3-8b", "a": {"chip": "h100-sxm", "tp": 1}, "b": {"chip": "h20", "tp": 1}}
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +34,7 @@ def graph(ray_two_sites, tmp_path_factory):
     from ray import serve
 
     serve.shutdown()  # forget any Serve client this process holds (an earlier test may have shut Serve down)
-    port = _free_port()
+    port = free_port()
     dev = yaml.safe_load((ROOT / "graphs/pdd_dev.yaml").read_text())
     prod = yaml.safe_load((ROOT / "graphs/pdd.yaml").read_text())
     app_prod = prod["applications"][0]
@@ -51,6 +45,7 @@ def graph(ray_two_sites, tmp_path_factory):
     app_emu = yaml.safe_load((ROOT / "graphs/pdd_dev.yaml").read_text())["applications"][0]
     app_emu.update(name="pdd_emu", route_prefix="/emu")
     app_emu["args"]["emulate"] = EMULATE
+    app_emu["args"]["time_scale"] = 3
     app_emu["args"]["link"] = {"preset": "wan_10g", "bandwidth_bps": 1e9, "one_way_latency_s": 0.02,
                                "jitter": "constant"}
     for d in app_emu["deployments"]:
@@ -156,7 +151,7 @@ def test_emulated_chips_keep_greedy_output_identical_on_every_path(graph, ref_en
     out = _complete(f"{graph}/emu", prompt, n, pdd, ignore_eos=True)
     real_s = time.monotonic() - t0
     info = out["pdd"]
-    assert out["choices"][0]["token_ids"] == _ref_ignore_eos(ref_engine, prompt, n)
+    assert out["choices"][0]["token_ids"] == greedy_ref(ref_engine, prompt, n)
     assert info["pipeline"] == pdd["pipeline"]
     assert info["ttft_s"] < real_s / 2  # reported in emulated seconds (slow motion x3)
     if pdd["pipeline"] != "P-RLD":
@@ -176,7 +171,7 @@ def test_emulated_chips_keep_greedy_output_identical_on_every_path(graph, ref_en
 def test_greedy_output_is_token_identical_on_every_path(graph, ref_engine):
     seeds, n = (1, 2, 3, 4), 400  # long enough that RLD is still decoding when the KV lands at MD
     outs = _complete_each_path(graph, seeds, n)
-    want = _refs(ref_engine, [(_cold_prompt(seed), n) for seed in seeds])
+    want = greedy_refs(ref_engine, [(_cold_prompt(seed), n) for seed in seeds])
     for (pdd, out, _), ref in zip(outs, want):
         info = out["pdd"]
         assert out["choices"][0]["token_ids"] == ref, info
@@ -189,20 +184,6 @@ def test_greedy_output_is_token_identical_on_every_path(graph, ref_engine):
             assert info["kv_ready_s"] is not None and info["wan_bytes"] > 2_000_000
         if pdd["pipeline"] == "P-RLD":
             assert info["wan_bytes"] == 0 and info["md_tokens"] == 0
-
-
-def _refs(engine: Engine, jobs: list[tuple[list[int], int]]) -> list[list[int]]:
-    """The reference for several (prompt, max_tokens) at once: one batch (continuous batching keeps
-    greedy output identical to one at a time, the invariant these tests hold the graph to)."""
-    from pdd_serve.engine.sampling import SamplingParams
-
-    return engine.generate_batch([p for p, _ in jobs], [SamplingParams(n, ignore_eos=True) for _, n in jobs])
-
-
-def _ref_ignore_eos(engine: Engine, prompt: list[int], n: int) -> list[int]:
-    from pdd_serve.engine.sampling import SamplingParams
-
-    return engine.generate_batch([prompt], SamplingParams(n, ignore_eos=True))[0]
 
 
 def test_policy_routes_cold_to_relay_and_next_turn_to_md_with_affinity(graph, ref_engine):
@@ -273,7 +254,7 @@ def test_concurrent_streams_over_mixed_pipelines_lose_no_token(graph, ref_engine
 
     results = asyncio.run(main())
     pipelines = set()
-    for (ids, info), ref in zip(results, _refs(ref_engine, [(p, n) for p, n, _ in jobs])):
+    for (ids, info), ref in zip(results, greedy_refs(ref_engine, [(p, n) for p, n, _ in jobs])):
         assert ids == ref, info
         pipelines.add(info["pipeline"])
     assert {"P-MD", "P-RLD-MD", "P-RLD"} <= pipelines
@@ -365,7 +346,7 @@ def test_overload_gets_clean_503_and_accepted_requests_complete(graph, ref_engin
         if r.status_code == 503:
             assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["type"] == "overloaded_error"
         else:
-            assert r.json()["choices"][0]["token_ids"] == _ref_ignore_eos(ref_engine, prompt, 48)
+            assert r.json()["choices"][0]["token_ids"] == greedy_ref(ref_engine, prompt, 48)
     assert time.monotonic() - t0 < 120
 
 

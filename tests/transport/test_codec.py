@@ -26,25 +26,10 @@ from pdd_serve.transport.codec import (
     kv_schema,
     to_ipc,
 )
+from tests.helpers import assert_same, make_blocks
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4)
 TINY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, block_size=2)  # 32 B blocks, for fuzzing
-
-
-def make_blocks(layout: KVLayout, n: int, start: int = 0, partial: int = 0, seed: int = 0) -> KVBlocks:
-    rng = np.random.default_rng(seed)
-    if layout.dtype == "float32":
-        data = rng.standard_normal((n, *layout.block_shape)).astype(np.float32)
-    else:
-        data = rng.integers(0, 1 << 16, (n, *layout.block_shape), dtype=np.uint16).view(layout.numpy_dtype)
-    ntok = n * layout.block_size - partial
-    return KVBlocks(layout, start, data, [int(h) for h in rng.integers(1, 2**63, n)], num_tokens=ntok)
-
-
-def assert_same(a: KVBlocks, b: KVBlocks) -> None:
-    assert a.layout == b.layout and a.start_block == b.start_block and a.num_tokens == b.num_tokens
-    assert a.hashes == b.hashes and a.checksums == b.checksums
-    assert a.data.dtype == b.data.dtype and a.data.tobytes() == b.data.tobytes()  # bitwise
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])

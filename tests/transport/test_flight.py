@@ -32,7 +32,7 @@ from pdd_serve.transport.flight import (
     kv_descriptor,
 )
 from pdd_serve.transport.link import BandwidthEstimator
-from tests.transport.test_codec import assert_same, make_blocks
+from tests.helpers import assert_same, make_blocks
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)  # 1 KiB blocks
 TOKEN = "test-token"
@@ -321,7 +321,7 @@ def test_connection_kept_across_pushes_and_redialled_after_a_break(server: KVFli
         proxy.close()
     assert res.resumes >= 1 and c._connect() is not first  # the cut connection was dropped
     assert_same(server.wait_complete_sync("keep-3", 5).blocks, kv)
-    assert len(flight_client._CHANNELS) <= flight_client._MAX_CHANNELS
+    assert len(flight_client.CHANNELS) <= flight_client.MAX_CHANNELS
 
 
 def test_unknown_request_and_release(server: KVFlightServer) -> None:
@@ -527,11 +527,11 @@ def test_prefills_feed_aborts_the_push_when_prefill_fails(server: KVFlightServer
     """Prefill's block feed (serve/prefill.py): a prefill that raises after its first chunk ends the
     push with an abort; MD's wait fails at once instead of at its timeout."""
     from pdd_serve.serve.messages import KVTarget
-    from pdd_serve.serve.prefill import _BlockFeed
+    from pdd_serve.serve.prefill import BlockFeed
 
     kv = make_blocks(LAYOUT, 10)
     server.expect("pf", 10)
-    feed = _BlockFeed(KVTarget(server.location, 0))
+    feed = BlockFeed(KVTarget(server.location, 0))
     feed.q.put(kv.slice(0, 4))  # the first chunk left for MD
     out: dict = {}
     sender = threading.Thread(target=lambda: out.setdefault("e", _raises(lambda: client(server).push("pf", iter(feed)))),

@@ -13,7 +13,7 @@ from pdd_serve.engine.kv import KVLayout
 from pdd_serve.transport import link as link_mod
 from pdd_serve.transport.flight import KVFlightClient, KVFlightServer
 from pdd_serve.transport.link import REFERENCE_KV_BYTES_PER_TOKEN, BandwidthEstimator, LinkConfig, LinkModel
-from tests.transport.test_codec import make_blocks
+from tests.helpers import make_blocks
 
 MB = 1_000_000
 
@@ -116,7 +116,7 @@ def test_presets_and_scaling() -> None:
         assert small.transfer_time(tokens * 2048, at) == pytest.approx(
             flagship.transfer_time(tokens * REFERENCE_KV_BYTES_PER_TOKEN, at))
     times = [flagship.transfer_time(65536 * REFERENCE_KV_BYTES_PER_TOKEN, a * 0.7) for a in range(500)]
-    assert 1.0 < sorted(times)[250] < 20.0 and max(times) > 3 * min(times)  # PDD.md: 1-20 s, fluctuating
+    assert 1.0 < sorted(times)[250] < 20.0 and max(times) > 3 * min(times)  # docs/pdd.md: 1-20 s, fluctuating
     assert LinkModel.preset("wan_10g", one_way_latency_s=0.0).config.one_way_latency_s == 0.0
 
 
@@ -125,7 +125,7 @@ def test_pacing_matches_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
     now = [0.0]
     monkeypatch.setattr(link_mod.time, "sleep", lambda s: now.__setitem__(0, now[0] + s))
     m = LinkModel(bandwidth_bps=8e6, one_way_latency_s=0.05, jitter="stalls", stalls=[(0.5, 0.25)],
-                  clock=lambda: now[0])
+                  timer=lambda: now[0])
     for _ in range(10):
         m.pace_sync(100_000)
     assert now[0] == pytest.approx(m.transfer_time(MB, 0.0)) == pytest.approx(0.05 + 1.0 + 0.25)
@@ -143,11 +143,11 @@ def test_concurrent_streams_share_the_line(monkeypatch: pytest.MonkeyPatch) -> N
     import contextvars
 
     now = [0.0]
-    m = LinkModel(bandwidth_bps=8e6, one_way_latency_s=0.05, clock=lambda: now[0])  # 1 MB/s
+    m = LinkModel(bandwidth_bps=8e6, one_way_latency_s=0.05, timer=lambda: now[0])  # 1 MB/s
     big, small = contextvars.copy_context(), contextvars.copy_context()  # two streams
     q = link_mod.PACE_QUANTUM_BYTES
     # a stream's record of another (or a dead) model never chains this one's
-    older = LinkModel(bandwidth_bps=8e3, one_way_latency_s=1.0, clock=lambda: now[0])
+    older = LinkModel(bandwidth_bps=8e3, one_way_latency_s=1.0, timer=lambda: now[0])
     assert big.run(older._reserve, q) > 60
     # the big stream books its first quantum of a 1 MB batch; the small one arrives meanwhile
     assert big.run(m._reserve, q) == pytest.approx(0.05 + q / 1e6)

@@ -25,7 +25,7 @@ from pdd_serve.cluster import netns
 from pdd_serve.cluster.netns import NetnsError, ShapedLink, VethNamespace
 from pdd_serve.engine.kv import KVLayout
 from pdd_serve.transport.flight import KVFlightClient
-from tests.transport.test_codec import make_blocks
+from tests.helpers import make_blocks
 
 RATE_BPS = 40e6
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, block_size=16)  # 128 KiB blocks

@@ -5,7 +5,7 @@ How the protocol's calls map onto a vLLM engine (run in-process, stepped by us):
   prefill      a vLLM request over the prompt with max_tokens=1, its KV copied out by the
                connector as it is computed (each finished chunk, so blocks can leave early)
   match_prefix main decode's DRC: the longest prompt prefix vLLM's own prefix cache holds, read
-               from vLLM's KV cache events mirrored in PDD's hashes (`vllm_cache`); only the
+               from vLLM's KV cache events mirrored in PDD's hashes (cache.py); only the
                blocks after it are received, and vLLM's cache supplies the prefix
   import_kv    received blocks are held token-major; the next submission offers them to vLLM,
                which loads them into its paged cache and computes only the tokens after them
@@ -45,7 +45,7 @@ from pdd_serve.engine.kv import (
     tokens_to_blocks,
 )
 from pdd_serve.engine.model import ModelArgs
-from pdd_serve.engine.protocol import ForwardWork
+from pdd_serve.engine.protocol import EngineBase, ForwardWork
 from pdd_serve.engine.sampling import RequestError, SamplingParams
 
 # what we set and the graph may not: the connector is ours, the tokenizer is the router's
@@ -109,7 +109,7 @@ class _Pool:
         return self._e._block_pool().num_gpu_blocks * self._ratio()
 
 
-class VllmEngine:
+class VllmEngine(EngineBase):
     """`EngineBackend` over vLLM's `LLMEngine`, one thread (the replica's engine thread)."""
 
     def __init__(self, path: str | Path, *, block_size: int = 16, dtype: str = "float32",
@@ -121,7 +121,7 @@ class VllmEngine:
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        from pdd_serve.engine import vllm_connector
+        from pdd_serve.engine.vllm import connector as vllm_connector
         from pdd_serve.engine.vllm.cache import KVEventSubscriber, VllmCacheView
 
         self.args = ModelArgs.from_checkpoint(path)
@@ -144,7 +144,7 @@ class VllmEngine:
             kv_role="kv_both", kv_connector_extra_config={"store": self._key},
             kv_load_failure_policy="recompute") if connector else None)
         # the DRC view: vLLM publishes its prefix cache's stores and evictions in-process (inproc://,
-        # no port), mirrored in PDD's hashes by `vllm_cache`; the single-engine reference needs none
+        # no port), mirrored in PDD's hashes by cache.py; the single-engine reference needs none
         events = f"inproc://pdd-kv-events-{self._key}" if connector and enable_prefix_cache else None
         if events:
             kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
@@ -451,11 +451,12 @@ class VllmEngine:
 
     # ------------------------------------------------------------ convenience
 
-    def generate(self, prompt_token_ids: list[int], max_tokens: int, temperature: float = 0.0,
-                 stop_token_ids: list[int] | None = None, **_: object) -> list[int]:
-        """vLLM's own single-engine generate (no handoff, no connector): the reference."""
-        return self.generate_batch([prompt_token_ids], SamplingParams(max_tokens, temperature,
-                                                                      stop_token_ids=tuple(stop_token_ids or ())))[0]
+    def run_to_end(self, seq: Sequence, use_cache: bool = True) -> None:
+        """`generate`'s request (EngineBase): vLLM's own single-engine run (no handoff; vLLM's
+        prefix cache is its own, so `use_cache` changes nothing)."""
+        self._submit(seq, self._remaining(seq))
+        while not seq.finished:
+            self.step([seq])
 
     def generate_batch(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """All prompts in flight at once in this one engine, stepped until done."""
@@ -471,12 +472,6 @@ class VllmEngine:
             for s in seqs:
                 self.release(s)
 
-    def warmup(self) -> None:
-        vocab = self.args.vocab_size
-        self.generate([i % vocab for i in range(3, 3 + 2 * self.block_size)], 4)
-
-    def kv_bytes(self, num_tokens: int) -> int:
-        return num_tokens * self.layout.bytes_per_token
 
     def num_live(self) -> int:
         """vLLM requests this engine holds (zero when every sequence was released)."""

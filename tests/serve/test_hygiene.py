@@ -14,144 +14,25 @@ import inspect
 import threading
 import time
 import types
-from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
-import torch
 
-from pdd_serve.config import FlightConfig, ModelConfig, PDDConfig
 from pdd_serve.engine.engine import SamplingParams
-from pdd_serve.serve.messages import GenRequest
+from tests.helpers import until
+from tests.serve.replicas import (
+    BLOCKS,
+    PROMPT,
+    NoHandle,
+    ThreadRecorder,
+    long_request,
+    prompt_kv,
+    prompt_request,
+    push_kv,
+    record_engine_calls,
+    serve_once,
+)
 
-PROMPT = [3 + (i * 37) % 500 for i in range(100)]  # 100 tokens: 7 blocks of 16, the last partial
-BLOCKS = 7
-TOKEN, MAC_KEY = "hygiene-token", "hygiene-mac"
-
-
-# ---------------------------------------------------------------- fixtures and helpers
-
-
-@pytest.fixture
-def cfg(model_dir: Path) -> PDDConfig:
-    return PDDConfig(model=ModelConfig(path=str(model_dir), block_size=16, kv_cache_bytes=4 << 20, max_batch=4),
-                     flight=FlightConfig(token=TOKEN, mac_key=MAC_KEY))
-
-
-@pytest.fixture(autouse=True)
-def _no_cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The deployments' constructors ask Ray which node they run on; there is no cluster here.
-    Each constructor also sets torch's thread count for its replica: give the process its own back."""
-    from pdd_serve.serve import main_decode, prefill, relay
-
-    for mod in (main_decode, prefill, relay):
-        monkeypatch.setattr(mod, "placement", lambda: {})
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def md(cfg: PDDConfig):  # noqa: ANN201 - the plain MainDecode class (Serve's deployment wraps it)
-    from pdd_serve.serve.main_decode import MainDecode
-
-    replica = MainDecode.func_or_class(cfg)
-    yield replica
-    replica.flight.close()
-    replica.worker._exec.shutdown(wait=True)
-
-
-@pytest.fixture
-def sender(cfg: PDDConfig):  # noqa: ANN201 - the Prefill side's engine: makes the KV MD receives
-    from pdd_serve.serve.common import load_engine
-
-    return load_engine(cfg.model, enable_prefix_cache=False)
-
-
-def _prompt_kv(engine, rid: str):  # noqa: ANN001, ANN202 - (first token, the prompt's KV blocks)
-    seq = engine.add(rid, list(PROMPT), SamplingParams(4, ignore_eos=True))
-    first = engine.prefill(seq)
-    kv = engine.export_kv(seq)
-    engine.release(seq, cache=False)
-    assert kv.num_blocks == BLOCKS
-    return first, kv
-
-
-def _push(md, kv, rid: str) -> None:  # noqa: ANN001
-    """One real Flight hop, in 2-block batches: MD receives several runs it must join."""
-    from pdd_serve.transport.flight import KVFlightClient
-
-    KVFlightClient(md.flight.location, TOKEN, layout=md.engine.layout, mac_key=MAC_KEY, batch_blocks=2,
-                   deadline_s=10).push(rid, [kv])
-
-
-def _req(rid: str) -> GenRequest:
-    return GenRequest(rid, tuple(PROMPT), SamplingParams(4, ignore_eos=True))
-
-
-def _record_engine_calls(md) -> list[str]:  # noqa: ANN001
-    """The name of every function MD submits to its engine thread from now on, in order."""
-    submitted: list[str] = []
-    real_call = md.worker.call
-
-    async def recording_call(fn, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        submitted.append(getattr(fn, "__name__", repr(fn)))
-        return await real_call(fn, *args, **kwargs)
-
-    md.worker.call = recording_call
-    return submitted
-
-
-async def _until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    for _ in range(int(timeout_s / 0.005)):
-        if cond():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("condition not reached")
-
-
-def _on_event_loop() -> bool:
-    """Whether the calling thread is running an asyncio event loop (a replica's loop thread)."""
-    try:
-        asyncio.get_running_loop()
-        return True
-    except RuntimeError:
-        return False
-
-
-class _NoHandle:
-    """Stands in for a Serve deployment handle (no cluster here): names a deployment, serves no call."""
-
-    deployment_id = types.SimpleNamespace(app_name="hygiene", name="none")
-
-
-class _Recorder:
-    """Wraps a blocking function; records, per call, its thread and whether a loop runs there."""
-
-    def __init__(self, fn: Callable) -> None:
-        self.fn, self.calls = fn, []
-
-    def __call__(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN204
-        self.calls.append((threading.current_thread().name, _on_event_loop()))
-        return self.fn(*args, **kwargs)
-
-
-@pytest.fixture
-def crcs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Every KV CRC32 computed in this process: `bytes_checksum` is the one function behind
-    KVBlocks.verify and the codec's check of a received batch (the codec holds its own name)."""
-    from pdd_serve.engine import kv as kv_mod
-    from pdd_serve.transport import codec
-
-    real, calls = kv_mod.bytes_checksum, []
-
-    def counting(buf):  # noqa: ANN001, ANN202
-        calls.append(len(buf))  # list.append is atomic: Flight verifies on gRPC threads
-        return real(buf)
-
-    monkeypatch.setattr(kv_mod, "bytes_checksum", counting)
-    monkeypatch.setattr(codec, "bytes_checksum", counting)
-    return calls
+pytestmark = pytest.mark.usefixtures("no_cluster")  # the replicas are built here, without Ray
 
 
 # ---------------------------------------------------------------- item 3: MD's call counts never leak
@@ -179,7 +60,7 @@ def test_an_abort_while_a_call_waits_for_the_kv_leaves_nothing(md, call: str) ->
     free = md.engine.pool.num_free
 
     async def main() -> None:
-        await md.prepare(_req(rid))
+        await md.prepare(prompt_request(rid))
         if call == "decode":
             async def run() -> object:
                 return [c async for c in md.decode(rid, [], 30)]
@@ -187,7 +68,7 @@ def test_an_abort_while_a_call_waits_for_the_kv_leaves_nothing(md, call: str) ->
             def run():  # noqa: ANN202
                 return getattr(md, call)(rid, *([[]] if call == "handoff_batch" else []), 30)
         task = asyncio.create_task(run())
-        await _until(lambda: rid in md._kv)  # the call is in flight: MD's wait on Flight has begun
+        await until(lambda: rid in md._kv)  # the call is in flight: MD's wait on Flight has begun
         assert md._calls.get(rid)
         assert await md.abort(rid)
         if call == "wait_kv":
@@ -212,7 +93,7 @@ def test_wait_kv_keeps_one_budget_when_the_prepare_arrives_late(md) -> None:
         t0 = loop.time()
         wait = asyncio.create_task(md.wait_kv(rid, 2.5))
         await asyncio.sleep(2.0)
-        await md.prepare(_req(rid))
+        await md.prepare(prompt_request(rid))
         ready = await asyncio.wait_for(wait, 10)
         assert not ready.ok and "not complete after" in ready.error, ready
         assert await md.abort(rid)
@@ -227,7 +108,7 @@ def test_an_abort_during_a_handoff_extend_leaves_nothing(md, sender, monkeypatch
     """The abort lands while a catch-up batch waits on the engine thread (the KV is in): the
     extend finds the request aborted and fails, and MD forgets the request entirely."""
     rid = "abort-during-extend"
-    first, kv = _prompt_kv(sender, rid)
+    first, kv = prompt_kv(sender, rid)
     free = md.engine.pool.num_free
     entered, gate = threading.Event(), threading.Event()
     real_extend = md.engine.extend
@@ -240,13 +121,13 @@ def test_an_abort_during_a_handoff_extend_leaves_nothing(md, sender, monkeypatch
     monkeypatch.setattr(md.engine, "extend", held_extend)
 
     async def main() -> None:
-        await md.prepare(_req(rid))
-        await asyncio.to_thread(_push, md, kv, rid)
+        await md.prepare(prompt_request(rid))
+        await asyncio.to_thread(push_kv, md, kv, rid)
         assert (await md.wait_kv(rid, 10)).ok
         handoff = asyncio.create_task(md.handoff_batch(rid, [first, 7, 8], 10))
-        await _until(entered.is_set)  # the handoff's extend runs on the engine thread now
+        await until(entered.is_set)  # the handoff's extend runs on the engine thread now
         abort = asyncio.create_task(md.abort(rid))
-        await _until(lambda: rid not in md.seqs)  # dropped while the call is still in progress
+        await until(lambda: rid not in md.seqs)  # dropped while the call is still in progress
         assert md._calls.get(rid) == 1
         gate.set()
         with pytest.raises(RuntimeError, match="finished"):  # the engine refuses an aborted request
@@ -265,24 +146,24 @@ def test_a_decode_waiting_for_its_kv_extends_in_the_imports_engine_call(md, send
     already in (`kv_first`), the extend is its own call. Either way: the same tokens as one engine's
     greedy generate, and nothing left behind."""
     rid = f"extend-on-import-{kv_first}"
-    first, kv = _prompt_kv(sender, rid)
+    first, kv = prompt_kv(sender, rid)
     ref = sender.add(f"{rid}-ref", list(PROMPT), SamplingParams(4, ignore_eos=True))
     want = [sender.prefill(ref)]
     while not ref.finished:
         want += [t for _, t in sender.step([ref])]
     sender.release(ref, cache=False)
     free, cached_before = md.engine.pool.num_free, md.engine.cache.num_blocks
-    submitted = _record_engine_calls(md)
+    submitted = record_engine_calls(md)
 
     async def main() -> list[int]:
-        await md.prepare(_req(rid))
+        await md.prepare(prompt_request(rid))
         if kv_first:
-            await asyncio.to_thread(_push, md, kv, rid)
+            await asyncio.to_thread(push_kv, md, kv, rid)
             assert (await md.wait_kv(rid, 10)).ok
         task = asyncio.create_task(_collect(md.decode(rid, [first], 10)))
         if not kv_first:
-            await _until(lambda: rid in md._extend_on_import)  # decode waits for the KV
-            await asyncio.to_thread(_push, md, kv, rid)
+            await until(lambda: rid in md._extend_on_import)  # decode waits for the KV
+            await asyncio.to_thread(push_kv, md, kv, rid)
         return await asyncio.wait_for(task, 20)
 
     got = asyncio.run(main())
@@ -305,7 +186,7 @@ def test_mds_prepare_admits_and_matches_in_one_engine_call_and_a_cancel_gives_th
     free, cached = md.engine.pool.num_free, md.engine.cache.num_blocks
     assert cached > 0
     real_call, real_match = md.worker.call, md.engine.match_prefix
-    submitted = _record_engine_calls(md)
+    submitted = record_engine_calls(md)
     entered, gate = threading.Event(), threading.Event()
 
     def gated_match(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - holds the engine thread mid-call
@@ -314,18 +195,18 @@ def test_mds_prepare_admits_and_matches_in_one_engine_call_and_a_cancel_gives_th
         return real_match(*args, **kwargs)
 
     async def main() -> None:
-        reply = await md.prepare(_req("one-call"))
+        reply = await md.prepare(prompt_request("one-call"))
         assert submitted == ["_admit"] and reply.hit_tokens > 0, (submitted, reply)
         assert await md.abort("one-call")
         md.engine.match_prefix = gated_match
-        task = asyncio.create_task(md.prepare(_req("cancelled")))
-        await _until(entered.is_set)  # `_admit` runs on the engine thread: the prepare is cancelled now
+        task = asyncio.create_task(md.prepare(prompt_request("cancelled")))
+        await until(entered.is_set)  # `_admit` runs on the engine thread: the prepare is cancelled now
         releases = submitted.count("release")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         gate.set()  # the match completes and adopts the prefix, for a prepare that is gone
-        await _until(lambda: submitted.count("release") > releases)  # the give-back
+        await until(lambda: submitted.count("release") > releases)  # the give-back
         await real_call(lambda: None)  # one thread, FIFO: the release is done
 
     asyncio.run(main())
@@ -348,14 +229,14 @@ def test_md_joins_the_received_runs_on_the_engine_thread(md, sender, monkeypatch
     (before the fix, `got.blocks` was evaluated on the loop as an argument of the worker call)."""
     from pdd_serve.transport import flight_server
 
-    join = _Recorder(flight_server.concat_blocks)
+    join = ThreadRecorder(flight_server.concat_blocks)
     monkeypatch.setattr(flight_server, "concat_blocks", join)
     rid = "join"
-    _, kv = _prompt_kv(sender, rid)
+    _, kv = prompt_kv(sender, rid)
 
     async def main() -> None:
-        await md.prepare(_req(rid))
-        await asyncio.to_thread(_push, md, kv, rid)
+        await md.prepare(prompt_request(rid))
+        await asyncio.to_thread(push_kv, md, kv, rid)
         assert (await md.wait_kv(rid, 10)).ok
 
     asyncio.run(main())
@@ -368,12 +249,12 @@ def test_md_verifies_each_block_crc_once_per_flight_hop(md, sender, crcs: list[i
     """Prefill -> MD over real Flight: the server checks every block's CRC as it arrives; MD's
     import must not compute them all again (before the fix: two CRCs per block)."""
     rid = "crc-flight"
-    _, kv = _prompt_kv(sender, rid)  # the sender computes its CRCs here, before the count
+    _, kv = prompt_kv(sender, rid)  # the sender computes its CRCs here, before the count
     crcs.clear()
 
     async def main() -> None:
-        await md.prepare(_req(rid))
-        await asyncio.to_thread(_push, md, kv, rid)
+        await md.prepare(prompt_request(rid))
+        await asyncio.to_thread(push_kv, md, kv, rid)
         assert (await md.wait_kv(rid, 10)).ok
 
     asyncio.run(main())
@@ -395,14 +276,14 @@ def test_relay_verifies_each_block_crc_once_per_object_store_hop(cfg, sender, cr
     monkeypatch.setattr(object_store, "ray", types.SimpleNamespace(get=lambda obj, timeout: obj,
                                                                    exceptions=ray.exceptions))
     rid = "crc-relay"
-    first, kv = _prompt_kv(sender, rid)
+    first, kv = prompt_kv(sender, rid)
     stored = object_store.KVObject(kv.layout, kv.start_block, kv.data, tuple(kv.hashes), tuple(kv.checksums),
                                    kv.num_tokens)
     relay = Relay.func_or_class(cfg)
     crcs.clear()
 
     async def main() -> list:
-        return [c async for c in relay.generate(RelayRequest(_req(rid), (first,), stored))]
+        return [c async for c in relay.generate(RelayRequest(prompt_request(rid), (first,), stored))]
 
     try:
         chunks = asyncio.run(main())
@@ -421,11 +302,11 @@ def test_prefill_puts_the_relays_kv_in_the_object_store_off_the_event_loop(cfg, 
     from pdd_serve.transport import object_store
 
     ref = object()
-    put = _Recorder(lambda kv: ref)
+    put = ThreadRecorder(lambda kv: ref)
     monkeypatch.setattr(object_store, "put_kv", put)
     prefill = Prefill.func_or_class(cfg)
     try:
-        res = asyncio.run(prefill.prefill(PrefillRequest(_req("put"), to_relay=True, md_target=None)))
+        res = asyncio.run(prefill.prefill(PrefillRequest(prompt_request("put"), to_relay=True, md_target=None)))
     finally:
         prefill.worker._exec.shutdown(wait=True)
     assert res.kv_ref is ref
@@ -447,13 +328,13 @@ def test_router_parses_and_tokenizes_off_the_event_loop_on_one_thread(cfg, monke
     from pdd_serve.serve import openai_api as oai
     from pdd_serve.serve.router import Router
 
-    parse = _Recorder(oai.parse_request)
+    parse = ThreadRecorder(oai.parse_request)
     monkeypatch.setattr(oai, "parse_request", parse)
     # Serve's ingress subclasses the user's class; its first base is the plain Router. Its MD
     # argument is one handle since pinning.py (a list of per-MD handles before it).
     router_cls = Router.func_or_class.__bases__[0]
     md_arg = list(inspect.signature(router_cls.__init__).parameters)[4]
-    router = router_cls(cfg, _NoHandle(), None, [] if md_arg == "mds" else _NoHandle())
+    router = router_cls(cfg, NoHandle(), None, [] if md_arg == "mds" else NoHandle())
     # the Router's background view of the MDs needs live replicas and plays no part in a parse
     monkeypatch.setattr(router, "_watch_views", lambda: None)
     body = json.dumps({"model": cfg.server.model_name, "prompt": "hello " * 2000, "max_tokens": 4}).encode()
@@ -514,7 +395,7 @@ def test_relay_share_follows_the_pools_live_replicas(cfg, monkeypatch: pytest.Mo
         live.update(r2="b", r3="c", r4="d")  # the YAML ran 4 replicas
 
         async def one() -> None:
-            async for _ in relay.generate(RelayRequest(_req("share"), (1,), no_kv)):
+            async for _ in relay.generate(RelayRequest(prompt_request("share"), (1,), no_kv)):
                 pass
 
         async def recount_then_one() -> None:
@@ -539,19 +420,6 @@ def test_relay_share_follows_the_pools_live_replicas(cfg, monkeypatch: pytest.Mo
 # ---------------------------------------------------------------- no orphaned prefill work
 
 
-def _long_req(rid: str) -> GenRequest:  # two prefill chunks (256 + 144 tokens)
-    return GenRequest(rid, tuple(3 + (i * 37) % 500 for i in range(400)), SamplingParams(4, ignore_eos=True))
-
-
-def _serve_once(prefill) -> None:  # noqa: ANN001
-    """A first prefill, of tokens no other prompt here has: the replica calibrates its cost on the
-    engine thread before its first prefill, so what a test counts there afterwards is its own."""
-    from pdd_serve.serve.messages import PrefillRequest
-
-    first = GenRequest("first", tuple(range(505, 512)) * 3, SamplingParams(1))
-    asyncio.run(prefill.prefill(PrefillRequest(first, False, None, budget_s=60)))
-
-
 def test_a_prefill_past_its_budget_stops_at_a_chunk_and_frees_its_blocks(cfg) -> None:
     """The Router gave up on this call (its budget passed): the engine stops at the next chunk
     boundary instead of computing the whole prompt for nobody, and every block is freed."""
@@ -562,19 +430,19 @@ def test_a_prefill_past_its_budget_stops_at_a_chunk_and_frees_its_blocks(cfg) ->
     free = prefill.engine.pool.num_free
     forwards = []
     try:
-        _serve_once(prefill)
+        serve_once(prefill)
         prefill.engine.on_forward = forwards.append  # the seam's report: one per chunk computed
         with pytest.raises(PrefillAbandoned, match="past the router's budget"):
-            asyncio.run(prefill.prefill(PrefillRequest(_long_req("late"), False, None, budget_s=1e-6)))
+            asyncio.run(prefill.prefill(PrefillRequest(long_request("late"), False, None, budget_s=1e-6)))
 
         async def queued() -> None:  # the engine thread is busy past the budget: the call never runs
             busy = asyncio.ensure_future(prefill.worker.call(time.sleep, 1.0))
             with pytest.raises(PrefillAbandoned, match="past the router's budget"):
-                await prefill.prefill(PrefillRequest(_long_req("queued"), False, None, budget_s=0.3))
+                await prefill.prefill(PrefillRequest(long_request("queued"), False, None, budget_s=0.3))
             await busy
 
         asyncio.run(queued())
-        ok = asyncio.run(prefill.prefill(PrefillRequest(_req("in-time"), False, None, budget_s=60)))
+        ok = asyncio.run(prefill.prefill(PrefillRequest(prompt_request("in-time"), False, None, budget_s=60)))
     finally:
         prefill.worker._exec.shutdown(wait=True)
     assert ok.first_token >= 0
@@ -592,7 +460,7 @@ def test_a_cancelled_prefill_call_stops_its_engine_job(cfg) -> None:
     from pdd_serve.serve.prefill import Prefill
 
     prefill = Prefill.func_or_class(cfg)
-    _serve_once(prefill)
+    serve_once(prefill)
     free = prefill.engine.pool.num_free
     chunks = []
     started, gate = threading.Event(), threading.Event()
@@ -605,8 +473,8 @@ def test_a_cancelled_prefill_call_stops_its_engine_job(cfg) -> None:
     prefill.engine.on_forward = on_forward
 
     async def main() -> None:
-        task = asyncio.create_task(prefill.prefill(PrefillRequest(_long_req("gone"), False, None, budget_s=60)))
-        await _until(started.is_set)
+        task = asyncio.create_task(prefill.prefill(PrefillRequest(long_request("gone"), False, None, budget_s=60)))
+        await until(started.is_set)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -629,12 +497,12 @@ def test_admission_runs_on_the_engine_thread(cfg, md) -> None:
     from pdd_serve.serve.prefill import Prefill
 
     prefill = Prefill.func_or_class(cfg)
-    _serve_once(prefill)
-    adds = {"prefill": _Recorder(prefill.engine.add), "md": _Recorder(md.engine.add)}
+    serve_once(prefill)
+    adds = {"prefill": ThreadRecorder(prefill.engine.add), "md": ThreadRecorder(md.engine.add)}
     prefill.engine.add, md.engine.add = adds["prefill"], adds["md"]
     try:
-        asyncio.run(prefill.prefill(PrefillRequest(_req("adm-p"), False, None)))
-        asyncio.run(md.prepare(_req("adm-md")))
+        asyncio.run(prefill.prefill(PrefillRequest(prompt_request("adm-p"), False, None)))
+        asyncio.run(md.prepare(prompt_request("adm-md")))
         assert asyncio.run(md.abort("adm-md"))
     finally:
         prefill.worker._exec.shutdown(wait=True)
@@ -661,20 +529,20 @@ def test_a_full_send_buffer_refuses_prefills_that_would_add_to_the_line(cfg, md)
     prefill.inject("stall", 1.5)  # the first transfer's line stalls mid-stream
 
     async def main() -> None:
-        a = await md.prepare(_req("held"))
-        await prefill.prefill(PrefillRequest(_req("held"), False, KVTarget(a.flight_location, a.start_block)))
+        a = await md.prepare(prompt_request("held"))
+        await prefill.prefill(PrefillRequest(prompt_request("held"), False, KVTarget(a.flight_location, a.start_block)))
         assert prefill.send_buffered == BLOCKS * block_bytes  # its transfer is still on the line
-        b = await md.prepare(_req("refused"))
+        b = await md.prepare(prompt_request("refused"))
         with pytest.raises(PoolFullError, match="send_buffer_bytes") as e:
-            await prefill.prefill(PrefillRequest(_req("refused"), False, KVTarget(b.flight_location, b.start_block)))
+            await prefill.prefill(PrefillRequest(prompt_request("refused"), False, KVTarget(b.flight_location, b.start_block)))
         assert is_overloaded(e.value)
-        local = await prefill.prefill(PrefillRequest(_req("no-wan"), False, None))  # P->RLD: nothing on the line
+        local = await prefill.prefill(PrefillRequest(prompt_request("no-wan"), False, None))  # P->RLD: nothing on the line
         assert local.first_token >= 0
         assert (await md.wait_kv("held", 10)).ok
-        await _until(lambda: prefill.send_buffered == 0)
-        ok = await prefill.prefill(PrefillRequest(_req("refused"), False, KVTarget(b.flight_location, b.start_block)))
+        await until(lambda: prefill.send_buffered == 0)
+        ok = await prefill.prefill(PrefillRequest(prompt_request("refused"), False, KVTarget(b.flight_location, b.start_block)))
         assert ok.first_token >= 0 and (await md.wait_kv("refused", 10)).ok
-        await _until(lambda: prefill.send_buffered == 0)  # the sender thread ends just after MD has it all
+        await until(lambda: prefill.send_buffered == 0)  # the sender thread ends just after MD has it all
 
     try:
         asyncio.run(main())

@@ -1,13 +1,12 @@
 """The shared local two-site Ray cluster for tests: one per test session.
 
-Use it from tests/conftest.py:  ``from tests._cluster import ray_two_sites  # noqa: F401``
-(or ``pytest -p tests._cluster``). Tests that use it are marked ``@pytest.mark.cluster``.
+Use it from tests/conftest.py:  ``from tests.cluster_fixture import ray_two_sites  # noqa: F401``
+(or ``pytest -p tests.cluster_fixture``). Tests that use it are marked ``@pytest.mark.cluster``.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from collections.abc import Iterator
 
@@ -24,12 +23,7 @@ from pdd_serve.cluster.local import (
     refresh_ray_auth_config,
     spawn_reaper,
 )
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+from tests.helpers import free_port
 
 
 @pytest.fixture(scope="session")
@@ -42,7 +36,7 @@ def ray_two_sites(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterI
     """
     import ray
 
-    cfg = LocalClusterConfig(port=_free_port(), state_dir=tmp_path_factory.mktemp("pdd_cluster"),
+    cfg = LocalClusterConfig(port=free_port(""), state_dir=tmp_path_factory.mktemp("pdd_cluster"),
                              cpus_a=4, cpus_b=4, object_store_mib=256, start_timeout_s=180.0)
     reaper = spawn_reaper(cfg)
     try:
