@@ -261,7 +261,7 @@ class SiteConfig:
     router_replicas: int = 1  # Routers hold no state only they know: any number decide as one would
     cpus_per_replica: float = 0.5
     # the chip each site runs, by name, for the evaluations' cost model (BCR): `chips: {a: h100-sxm,
-    # b: h20}`. pdd_serve only stores the names; evaluations/chips.yaml is the catalog that checks them.
+    # b: h20}`. pdd_serve only stores the names; the catalog (pdd_serve/emulation/costmodel.yaml) checks them.
     chips: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:

@@ -173,7 +173,7 @@ class Alias:
     labels: tuple[tuple[str, str], ...] = ()
 
 
-# Only where the quantity really is vLLM's (see README "Metrics"). TPOT: PDD observes the gap
+# Only where the quantity really is vLLM's (see docs/usage.md "Metrics"). TPOT: PDD observes the gap
 # between the chunks the Router streams, per token of the chunk, which is vLLM's inter-token latency
 # (`vllm:time_per_output_token_seconds` is its name before vLLM 0.11). No alias for
 # `vllm:num_requests_running`/`_waiting`: a PDD request is held by P, RLD and MD at once and MD

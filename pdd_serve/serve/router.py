@@ -194,7 +194,7 @@ class Router:
     @api.get("/metrics")
     async def prometheus_metrics(self, request: Request) -> Response:
         """Prometheus text for the whole cluster (every Ray node's metrics export): PDD and Serve
-        families plus their vLLM names (pdd_serve/metrics.py; README "Metrics")."""
+        families plus their vLLM names (pdd_serve/metrics.py; docs/usage.md "Metrics")."""
         from pdd_serve import metrics as pm
 
         try:
