@@ -46,7 +46,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chip", action="append", default=[], metavar="SITE=CHIP",
                    help="chip at a site, from the catalog (default: a=cpu b=cpu); repeatable")
     g.add_argument("--catalog", default=None,
-                   help="chip catalog YAML, in place of the shipped one (default: pdd_serve/emulation/costmodel.yaml)")
+                   help="your own chip catalog YAML (pdd_serve/emulation/costmodel.yaml's schema), its entries over the "
+                        "shipped catalog's")
     g = p.add_argument_group("tracking and output")
     g.add_argument("--experiment", default=None, help="MLflow experiment name")
     g.add_argument("--tracking-uri", default=None,
@@ -115,7 +116,7 @@ def _add_demo(p: argparse.ArgumentParser) -> None:
 
 def _run_demo(args: argparse.Namespace) -> int:
     from evaluations.demo import run_demo
-    from pdd_serve.cluster.deploy import DemoError
+    from pdd_serve.cluster.deploy import DeployError
     from pdd_serve.cluster.local import ClusterError
 
     if args.sessions <= 0 or args.turns <= 0:
@@ -128,7 +129,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 
             return run_vllm_demo(args.graph or "graphs/pdd_vllm.yaml", requests=args.requests, keep=args.keep)
         return run_demo(args.graph or "graphs/pdd.yaml", keep=args.keep, sessions=args.sessions, turns=args.turns)
-    except (DemoError, ClusterError) as e:
+    except (DeployError, ClusterError) as e:
         print(f"pdd demo: {e}", file=sys.stderr)
         return 1
 

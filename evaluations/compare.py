@@ -49,7 +49,7 @@ from evaluations.loadgen import SLA, LoadConfig, RequestRecord, makespan, summar
 from evaluations.workloads import Workload
 from pdd_serve.config import PDDConfig
 from pdd_serve.emulation.clock import Clock
-from pdd_serve.emulation.costmodel import CATALOG_PATH, load_catalog
+from pdd_serve.emulation.costmodel import CATALOG_PATH, user_catalog
 from pdd_serve.emulation.pacer import build_emulation
 
 SAME, CROSS, NAIVE, PDD = "pd_same_dc", "pd_cross_dc", "pd_cross_dc_naive", "pdd"
@@ -74,7 +74,7 @@ class CompareConfig:
     repeats: int = 1  # graph order alternates between repeats (contention drifts on shared machines)
     naive_once: bool = False  # the naive baseline runs in the first repeat only (it is the slowest to run)
     site_chips: tuple[tuple[str, str], ...] = (("a", "cpu"), ("b", "cpu"))
-    catalog: str = str(CATALOG_PATH)  # the one chip catalog, or a user's own
+    catalog: str = str(CATALOG_PATH)  # a user's own catalog over the shipped one (user_catalog)
     experiment: str = "pdd-compare"
     tracking_uri: str | None = None
     mlflow: bool = True
@@ -500,7 +500,7 @@ def run_compare(workload: Workload, cfg: CompareConfig = CompareConfig(),
     """Run the comparison; print the table and the JSON line; return {summaries, headline, ...}."""
     from evaluations.report import comparison_table, ttft_cdf_plot, write_parquet
 
-    catalog = load_catalog(cfg.catalog)
+    catalog = user_catalog(cfg.catalog)
     site_chips = dict(cfg.site_chips)
     out_dir = Path(cfg.out_dir or f".pdd/eval/{cfg.experiment}-{time.strftime('%Y%m%d-%H%M%S')}")
     graphs = prepare_graphs(cfg.graphs, out_dir / "graphs", cfg.env.http_port, cfg.link, cfg.stream_first_token,

@@ -12,7 +12,7 @@ from typing import Any
 
 from evaluations.loadgen import drive, percentile
 from evaluations.workloads import AgenticWorkload, agentic_workload
-from pdd_serve.cluster.deploy import DemoError, deploy_graph, shutdown_serve
+from pdd_serve.cluster.deploy import DeployError, deploy_graph, shutdown_serve
 from pdd_serve.cluster.local import LocalClusterConfig, cluster_down, cluster_up, driver_env
 from pdd_serve.config import ConfigError, load_graph_yaml
 
@@ -70,11 +70,11 @@ def run_demo(graph: str = "graphs/pdd.yaml", keep: bool = False, sessions: int =
              log: Any = print) -> int:
     path = Path(graph)
     if not path.is_file():
-        raise DemoError(f"{graph} not found: run from the repository root or pass --graph PATH")
+        raise DeployError(f"{graph} not found: run from the repository root or pass --graph PATH")
     try:
         load_graph_yaml(path)
     except ConfigError as e:
-        raise DemoError(str(e)) from None
+        raise DeployError(str(e)) from None
     ccfg = LocalClusterConfig()
     log("starting the local two-site cluster (site a: prefill + relay, site b: main decode) ...")
     info = cluster_up(ccfg, log=log)

@@ -288,12 +288,12 @@ def run_graph(graph: PreparedGraph, denv: dict[str, str], workloads: Sequence[Wo
               before_shutdown: Callable[[PreparedGraph], None] | None = None) -> list[list[RequestRecord]]:
     """Deploy one graph, drive each workload through it in order, shut it down (`before_shutdown`
     reads what the live graph knows, e.g. the emulated engines' overrun)."""
-    from pdd_serve.cluster.deploy import DemoError, deploy_graph, shutdown_serve
+    from pdd_serve.cluster.deploy import DeployError, deploy_graph, shutdown_serve
 
     shutdown_serve(denv)  # whatever ran before (a crashed earlier run, another app) goes
     try:
         url = deploy_graph(graph.path, denv, timeout_s=env.deploy_timeout_s, log=log)
-    except DemoError as e:
+    except DeployError as e:
         raise EvalError(str(e)) from None
     try:
         out = [drive(url, w, load, desc=f"{graph.name} {w.name}", log=log, progress=progress,

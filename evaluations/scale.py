@@ -437,7 +437,7 @@ def reference_outputs(records: Sequence[ScaleRecord], max_tokens: int, batch: in
 
 def run_scale(cfg: ScaleConfig = ScaleConfig(), log: Callable[[str], None] = log_err) -> dict[str, Any]:
     """Run the evaluation; print the table and the JSON line; return {phases, headline, ...}."""
-    from pdd_serve.cluster.deploy import DemoError, deploy_graph, shutdown_serve
+    from pdd_serve.cluster.deploy import DeployError, deploy_graph, shutdown_serve
 
     out_dir = Path(cfg.out_dir or f".pdd/eval/{cfg.experiment}-{time.strftime('%Y%m%d-%H%M%S')}")
     (graph,) = prepare_graphs([cfg.graph], out_dir / "graphs", cfg.env.http_port, cfg.link)
@@ -479,7 +479,7 @@ def run_scale(cfg: ScaleConfig = ScaleConfig(), log: Callable[[str], None] = log
             cfg = dataclasses.replace(cfg, rate_before=calib.get("rate_before", cfg.rate_before),
                                       rate_after=calib.get("rate_after", cfg.rate_after))
             url = deploy_graph(graph.path, denv, timeout_s=cfg.env.deploy_timeout_s, log=log)
-        except DemoError as e:
+        except DeployError as e:
             raise EvalError(str(e)) from None
         sampler = ReplicaSampler(app, cfg.sample_s, denv).start()
         try:
@@ -490,7 +490,7 @@ def run_scale(cfg: ScaleConfig = ScaleConfig(), log: Callable[[str], None] = log
             sampler.stop()
         try:
             shutdown_serve(denv)
-        except DemoError as e:
+        except DeployError as e:
             raise EvalError(str(e)) from None
         if runs["scale"]["timeout"]:
             raise EvalError(_no_scale_up_message(runs["scale"], cfg))
@@ -505,7 +505,7 @@ def run_scale(cfg: ScaleConfig = ScaleConfig(), log: Callable[[str], None] = log
                 finally:
                     sampler.stop()
                 shutdown_serve(denv)
-            except DemoError as e:
+            except DeployError as e:
                 raise EvalError(str(e)) from None
     log(f"load done in {time.monotonic() - t_all:.0f}s; checking every output against a reference engine ...")
     records = [r for run in runs.values() for r in run["records"]]

@@ -19,8 +19,8 @@ from pathlib import Path
 MAX_RETRIES = 30  # a refused request (every pool full) is sent again after its Retry-After
 SLOW_READ_S = 1.0  # a slow client reads one SSE chunk a second
 LATE_REPLICA_SETTLE_S = 30.0  # a replica started after warm-up (an MD replacing a killed one): RSS counts from here
-CAPACITY_RAMP_S = 5.0
-REFERENCE_BATCH = 16  # references computed together after a phase  # the capacity phase counts completions after its clients are all busy
+CAPACITY_RAMP_S = 5.0  # the capacity phase counts completions after its clients are all busy
+REFERENCE_BATCH = 16  # references computed together after a phase
 
 # what each fallback kind means, and which faults or loads cause it (printed with fallbacks_by_cause)
 FALLBACK_KINDS = {
@@ -54,7 +54,7 @@ class StreamResult:
 
 
 _CLIENT = None
-__CLIENTLOCK = threading.Lock()
+_CLIENT_LOCK = threading.Lock()
 
 
 def http_client():  # noqa: ANN202 - httpx is imported lazily
@@ -64,7 +64,7 @@ def http_client():  # noqa: ANN202 - httpx is imported lazily
     global _CLIENT
     import httpx
 
-    with __CLIENTLOCK:
+    with _CLIENT_LOCK:
         if _CLIENT is None:
             _CLIENT = httpx.Client(limits=httpx.Limits(max_connections=None, max_keepalive_connections=32))
         return _CLIENT

@@ -38,7 +38,7 @@ from evaluations.harness import (
 )
 from evaluations.loadgen import SLA, LoadConfig
 from evaluations.workloads import SweepWorkload, sweep_workload
-from pdd_serve.emulation.costmodel import CATALOG_PATH, load_catalog
+from pdd_serve.emulation.costmodel import CATALOG_PATH, user_catalog
 
 SWEEP_GRAPHS = ("graphs/pd_cross_dc.yaml", "graphs/pdd.yaml")
 
@@ -57,7 +57,7 @@ class SweepConfig:
     load: LoadConfig = field(default_factory=LoadConfig)
     env: EvalEnv = field(default_factory=EvalEnv)
     site_chips: tuple[tuple[str, str], ...] = (("a", "cpu"), ("b", "cpu"))
-    catalog: str = str(CATALOG_PATH)
+    catalog: str = str(CATALOG_PATH)  # a user's own catalog over the shipped one (user_catalog)
     experiment: str = "pdd-sweep-hit-rate"
     tracking_uri: str | None = None
     mlflow: bool = True
@@ -110,7 +110,7 @@ COLUMNS = (("hit", "hit_rate", ".2f"), ("MD hit", "pdd_prefix_hit_md", ".2f"),
 def run_sweep(cfg: SweepConfig = SweepConfig(), log: Callable[[str], None] = log_err) -> dict[str, Any]:
     from evaluations.report import record_rows, simple_table, sweep_plot, write_parquet
 
-    catalog = load_catalog(cfg.catalog)
+    catalog = user_catalog(cfg.catalog)
     site_chips = dict(cfg.site_chips)
     out_dir = Path(cfg.out_dir or f".pdd/eval/{cfg.experiment}-{time.strftime('%Y%m%d-%H%M%S')}")
     graphs = prepare_graphs(cfg.graphs, out_dir / "graphs", cfg.env.http_port, cfg.link)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from evaluations.demo import exposing_cache_hits
-from pdd_serve.cluster.deploy import DemoError, deploy_graph, shutdown_serve
+from pdd_serve.cluster.deploy import DeployError, deploy_graph, shutdown_serve
 from pdd_serve.cluster.local import LocalClusterConfig, cluster_down, cluster_up, driver_env
 from pdd_serve.config import ConfigError, load_graph_yaml
 
@@ -112,14 +112,14 @@ def run_vllm_demo(graph: str = "graphs/pdd_vllm.yaml", requests: int = 18, keep:
                   log: Any = print) -> int:
     path = Path(graph)
     if not path.is_file():
-        raise DemoError(f"{graph} not found: run from the repository root or pass --graph PATH")
+        raise DeployError(f"{graph} not found: run from the repository root or pass --graph PATH")
     try:
         cfg = load_graph_yaml(path)
     except ConfigError as e:
-        raise DemoError(str(e)) from None
+        raise DeployError(str(e)) from None
     backends = {cfg.engine_for(r).backend for r in ("prefill", "relay", "main_decode")}
     if backends != {"vllm"}:
-        raise DemoError(f"{graph} runs backend(s) {sorted(backends)}: --backend vllm needs backend: vllm on every engine")
+        raise DeployError(f"{graph} runs backend(s) {sorted(backends)}: --backend vllm needs backend: vllm on every engine")
     from pdd_serve.checkpoints import resolve_model
     from pdd_serve.engine.model import ModelArgs
 

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from pdd_serve.emulation import costmodel
-from pdd_serve.transport.link import LinkConfig as LineConfig
-from pdd_serve.transport.link import preset_config, trace_values
+from pdd_serve.emulation.clock import MAX_TIME_SCALE
+from pdd_serve.transport.link import LineConfig, preset_config, trace_values
 
 PIPELINES = ("P-MD", "P-RLD-MD", "P-RLD")
 ENGINE_ROLES = ("prefill", "relay", "main_decode")  # the roles that run an engine (`engines:` keys)
@@ -367,8 +367,8 @@ class PDDConfig:
 
     def __post_init__(self) -> None:
         ts = self.time_scale
-        _require(isinstance(ts, (int, float)) and not isinstance(ts, bool) and 0 < ts < 1e6,
-                 f"time_scale must be a number > 0, got {ts!r}")
+        _require(isinstance(ts, (int, float)) and not isinstance(ts, bool) and 0 < ts < MAX_TIME_SCALE,
+                 f"time_scale must be a number in (0, 1e6), got {ts!r}")
         _require(ts == 1 or bool(self.emulate),
                  f"time_scale {ts:g} slows an emulated graph, and this graph has no emulate: block")
         object.__setattr__(self, "time_scale", float(ts))
@@ -378,12 +378,12 @@ class PDDConfig:
         _require(cross or self.link.preset == "same_dc",
                  "prefill and main_decode share a site, so link.preset must be same_dc")
         _require("P-RLD-MD" not in self.policy.pipelines or self.sites.relay == self.sites.prefill,
-                 "sites.relay must equal sites.prefill: relay decode sits beside prefill (PDD.md)")
+                 "sites.relay must equal sites.prefill: relay decode sits beside prefill (docs/pdd.md)")
         _require("P-MD" in self.policy.pipelines or "P-RLD-MD" in self.policy.pipelines,
                  "policy.pipelines must include P-MD or P-RLD-MD: ordinary traffic must end at main decode")
         _require(is_loopback(self.flight.bind_host) or self.flight.tls_cert is not None or self.server.allow_insecure,
                  f"flight.bind_host {self.flight.bind_host!r} takes KV from beyond this machine in plaintext: set "
-                 "flight.tls_cert, flight.tls_key and flight.tls_root_cert (cluster_configs/README.md makes them), "
+                 "flight.tls_cert, flight.tls_key and flight.tls_root_cert (docs/cluster-launch.md makes them), "
                  "or server.allow_insecure: true on a network you trust")
 
     @property

@@ -23,7 +23,7 @@ assumption (chips, prices, model, workload, SLA, link) is in a scenario YAML, no
 Modes:
   pdd simulate --scenario report         the report's comparison: SLA goodput per deployment
                                          (bisection on the arrival rate), BCR = goodput / cost,
-                                         latency at a common load, headline ratios vs PDD.md
+                                         latency at a common load, headline ratios vs docs/pdd.md
   pdd simulate --scenario report --rate 15
                                          one run per deployment at 15 req/s (quick look)
   pdd simulate --trace FILE.jsonl        replay a Mooncake-format trace at its own arrival times
@@ -89,7 +89,8 @@ def _add_plan(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=float, default=None,
                    help="replay the trace's first S seconds of arrivals (default: plan.window_s; 0: all of it)")
     p.add_argument("--catalog", default=None, metavar="YAML",
-                   help="your own chips (pdd_serve/emulation/costmodel.yaml's schema), added to the catalog's")
+                   help="your own catalog (pdd_serve/emulation/costmodel.yaml's schema), its entries over the shipped "
+                        "catalog's, as a scenario's `catalog:` (for a scenario that names none)")
     p.add_argument("--site-a", default=None, help="candidate chips for P and RLD, comma-separated (default: plan.chips_site_a)")
     p.add_argument("--site-b", default=None, help="candidate chips for MD, comma-separated (default: plan.chips_site_b)")
     p.add_argument("--target-rps", type=float, default=None, help="load to plan for, req/s (default: plan.target_rps)")
@@ -102,11 +103,11 @@ def _add_plan(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
-def _load(name: str):  # -> Scenario
+def _load(name: str, catalog: str | None = None):  # -> Scenario
     from evaluations.sim.config import ScenarioError, load_scenario
 
     try:
-        return load_scenario(name)
+        return load_scenario(name, catalog)
     except ScenarioError as e:
         raise UsageError(f"pdd: error: {e}") from None
 
@@ -360,14 +361,8 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     from evaluations.sim.config import ScenarioError
     from evaluations.sim.planner import cluster_nodes, graph_yaml, log_mlflow, plan, plot_knobs
-    from pdd_serve.emulation.costmodel import CostModelError, load_catalog
 
-    sc = _load(args.scenario or ("mooncake" if args.trace else "report"))
-    if args.catalog:
-        try:  # a user's own catalog, its chips over the scenario's
-            sc = dataclasses.replace(sc, chips={**sc.chips, **load_catalog(args.catalog).chips})
-        except CostModelError as e:
-            raise UsageError(f"pdd plan: error: --catalog: {e}") from None
+    sc = _load(args.scenario or ("mooncake" if args.trace else "report"), args.catalog)
     for opt, key in ((args.site_a, "chips_site_a"), (args.site_b, "chips_site_b")):
         if opt:
             chips = [c.strip() for c in opt.split(",") if c.strip()]

@@ -26,8 +26,8 @@ from pdd_serve.emulation.costmodel import (
     CostModelError,
     ModelShape,
     check_fits,
-    load_catalog,
     positive,
+    user_catalog,
 )
 
 SIM_DIR = Path(__file__).resolve().parent
@@ -199,7 +199,7 @@ class DeploymentSpec:
         uses_relay = any(p in self.policy.pipelines for p in ("P-RLD-MD", "P-RLD"))
         _check(not uses_relay or self.relay is not None, "relay", "is required when policy.pipelines uses RLD")
         _check("P-MD" in self.policy.pipelines or "P-RLD-MD" in self.policy.pipelines, "policy.pipelines",
-               "must include P-MD or P-RLD-MD: ordinary traffic ends at main decode (PDD.md)")
+               "must include P-MD or P-RLD-MD: ordinary traffic ends at main decode (docs/pdd.md)")
 
     def roles(self) -> dict[str, RoleSpec]:
         r = {"prefill": self.prefill, "main_decode": self.main_decode}
@@ -342,12 +342,10 @@ _SCENARIO_KEYS = {"name", "catalog", "model", "workload", "sla", "scheduler", "l
 
 def _catalog(own: Any, path: Path) -> Catalog:
     """The one catalog, with the scenario's own (`catalog: FILE`, relative to it) over it."""
-    if own is None:
-        return load_catalog()
-    if not isinstance(own, str):
+    if own is not None and not isinstance(own, (str, Path)):
         raise ScenarioError(f"{path}: catalog: must be the path of a catalog file, got {own!r}")
     try:
-        return load_catalog().merged(load_catalog((path.parent / own).resolve()))
+        return user_catalog(None if own is None else (path.parent / own).resolve())
     except CostModelError as e:
         raise ScenarioError(f"{path}: catalog: {e}") from None
 
@@ -374,8 +372,10 @@ def resolve_scenario_path(name_or_path: str | Path, scenario_dir: Path = SCENARI
     return cand
 
 
-def load_scenario(name_or_path: str | Path) -> Scenario:
-    """Read and validate a scenario YAML (and its own chip catalog, `catalog:`, relative to it)."""
+def load_scenario(name_or_path: str | Path, catalog: str | Path | None = None) -> Scenario:
+    """Read and validate a scenario YAML (and its own chip catalog, `catalog:`, relative to it).
+    `catalog`: a user's catalog file for a scenario that names none (`pdd plan --catalog`), read as
+    if the scenario said `catalog:` with it."""
     path = resolve_scenario_path(name_or_path)
     doc = read_yaml(path)
     unknown = sorted(set(doc) - _SCENARIO_KEYS)
@@ -384,7 +384,13 @@ def load_scenario(name_or_path: str | Path) -> Scenario:
     for req in ("model", "deployments", "links"):
         if req not in doc:
             raise ScenarioError(f"{path}: {req}: is required")
-    cat = _catalog(doc.get("catalog"), path)
+    own = doc.get("catalog")
+    if catalog is not None:
+        if own is not None:
+            raise ScenarioError(f"{path}: catalog: the scenario names its own catalog ({own}); "
+                                f"put the entries of {catalog} there instead of giving a second one")
+        own = Path(catalog).resolve()
+    cat = _catalog(own, path)
     chips = dict(cat.chips)
     model = scenario_model(doc["model"], path, cat)
     wl = dict(doc.get("workload") or {})

@@ -27,7 +27,7 @@ from evaluations.sim.config import (
     resolve_scenario_path,
     scenario_model,
 )
-from pdd_serve.config import PDDConfig
+from pdd_serve.config import MEM_RESERVE_FRACTION, PDDConfig
 from pdd_serve.emulation import costmodel
 from pdd_serve.emulation.clock import Clock
 from pdd_serve.emulation.pacer import build_emulation, merge_stats
@@ -70,9 +70,10 @@ def load_scenario(name_or_path: str | Path) -> EmulatedScenario:
     unknown = set(doc) - _KEYS
     if unknown:
         raise ScenarioError(f"{p}: {sorted(unknown)[0]}: unknown key; valid: {', '.join(sorted(_KEYS))}")
-    ts = doc["time_scale"]
-    if not isinstance(ts, (int, float)) or ts <= 0:
-        raise ScenarioError(f"{p}: time_scale: must be a number > 0, got {ts!r}")
+    try:
+        ts = Clock(doc["time_scale"]).time_scale
+    except ValueError as e:
+        raise ScenarioError(f"{p}: {e}") from None
     if not isinstance(doc["model"], str):  # each graph's emulate: names it
         raise ScenarioError(f"{p}: model: must name a model shape of {costmodel.CATALOG_PATH}")
     model = scenario_model(doc["model"], p, costmodel.load_catalog())
@@ -81,6 +82,9 @@ def load_scenario(name_or_path: str | Path) -> EmulatedScenario:
         raise ScenarioError(f"{p}: relay_cost_fraction: must be in (0, 1], got {frac!r}")
     if not isinstance(doc["sla"], dict):
         raise ScenarioError(f"{p}: sla: must be a mapping (ttft_s, tpot_s)")
+    for k in ("ttft_s", "tpot_s"):  # no silent defaults: the SLA is what the comparison is judged by
+        if k not in doc["sla"]:
+            raise ScenarioError(f"{p}: sla.{k}: required")
     try:
         sla = SLA(**doc["sla"])
     except (ValueError, TypeError) as e:
@@ -249,7 +253,7 @@ def sim_scenario_doc(sc: EmulatedScenario, graphs: list[Any]) -> dict[str, Any]:
                 "ttft_from": sc.sla.ttft_from},
         "scheduler": {"prefill_chunk_tokens": PREFILL_CHUNK_TOKENS, "prefill_batch_requests": False,
                       "tail_chunk": "packed", "decode_max_batch": first.engine_for("main_decode").max_batch,
-                      "mem_reserve_fraction": 0.1,
+                      "mem_reserve_fraction": MEM_RESERVE_FRACTION,
                       "prefix_cache_gb": prefix_tokens * shape.kv_bytes_per_token / 1e9},
         "links": {"same_dc": {"preset": "same_dc"}, "wan": link},
         "deployments": deployments,

@@ -138,14 +138,14 @@ def format_report(res: dict[str, Any]) -> str:
         out.append(f"{name:<15}{r['chips']:<44}{r['cost_per_hour']:>8.2f}{r['goodput_rps']:>9.2f}{r['bcr']:>8.3f}   "
                    f"{ttft:<22}{_ms(s['tpot_p90']):>9}{s['rld_token_share']:>8.1%}  {pipes}")
     out.append("")
-    out.append(f"{'headline':<34}{'simulated':>10}{'PDD.md':>10}")
+    out.append(f"{'headline':<34}{'simulated':>10}{'docs/pdd.md':>12}")
     for k, label in (("bcr_gain", "BCR gain vs same-DC"), ("ttft_reduction", "TTFT P90 reduction vs cross-DC PD"),
                      ("goodput_gain", "SLA goodput gain vs cross-DC PD"),
                      ("goodput_gain_vs_cross_dc_naive", "SLA goodput gain vs naive cross-DC"),
                      ("rld_token_share", "RLD share of output tokens")):
         r, v = ref.get(k), head.get(k)
         sim = "-" if v is None else ("unbounded" if math.isinf(v) else f"{v:+.1%}")
-        out.append(f"{label:<34}{sim:>10}{(f'{r:+.1%}' if r is not None else '-'):>10}")
+        out.append(f"{label:<34}{sim:>10}{(f'{r:+.1%}' if r is not None else '-'):>12}")
     cd = ref.get("cost_delta")
     cds = f"{cd[0]:+.1%}..{cd[1]:+.1%}" if isinstance(cd, (list, tuple)) else "-"
     out.append(f"{'cost vs same-DC':<34}{head['cost_delta']:>+10.1%}{cds:>14}")

@@ -15,9 +15,9 @@ from typing import Any
 from pdd_serve.config import load_graph_yaml
 
 
-class DemoError(RuntimeError):
-    """A graph could not be deployed or shut down (or the demo could not run); the message says
-    what to do."""
+class DeployError(RuntimeError):
+    """A graph could not be deployed or shut down (the demos raise it too when they cannot run);
+    the message says what to do."""
 
 
 def graph_http(path: Path) -> tuple[str, int]:
@@ -41,7 +41,7 @@ def deploy_graph(path: Path, env: dict[str, str], timeout_s: float = 600.0, log:
     proc = subprocess.run([serve_exe, "run", str(path), "--non-blocking"], env={**os.environ, **env},
                           capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
-        raise DemoError(f"serve run {path} failed:\n{proc.stderr[-3000:]}")
+        raise DeployError(f"serve run {path} failed:\n{proc.stderr[-3000:]}")
     checked = time.monotonic()
     while time.monotonic() - t < timeout_s:
         try:
@@ -54,9 +54,9 @@ def deploy_graph(path: Path, env: dict[str, str], timeout_s: float = 600.0, log:
             checked = time.monotonic()      # load) fails the deploy with its reason, not a long wait
             failed = deploy_failures(serve_status(env))
             if failed:
-                raise DemoError(f"deploying {path} failed:\n" + "\n".join(failed))
+                raise DeployError(f"deploying {path} failed:\n" + "\n".join(failed))
         time.sleep(1.0)
-    raise DemoError(f"{path} did not become healthy within {timeout_s:.0f}s; see `serve status` and the ray logs")
+    raise DeployError(f"{path} did not become healthy within {timeout_s:.0f}s; see `serve status` and the ray logs")
 
 
 def serve_status(env: dict[str, str], timeout_s: float = 60.0) -> dict:
@@ -91,4 +91,4 @@ def shutdown_serve(env: dict[str, str], timeout_s: float = 120.0) -> None:
     proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
                           timeout=timeout_s)
     if proc.returncode != 0:
-        raise DemoError(f"serve shutdown failed: {proc.stderr[-2000:]}")
+        raise DeployError(f"serve shutdown failed: {proc.stderr[-2000:]}")

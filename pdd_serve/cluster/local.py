@@ -413,9 +413,9 @@ def spawn_reaper(cfg: LocalClusterConfig, watch_pid: int | None = None) -> subpr
     watch_pid = os.getpid() if watch_pid is None else watch_pid
     code = ("import os, sys, time\n"
             "from pdd_serve.cluster.local import LocalClusterConfig, cluster_down\n"
-            "from pdd_serve.cluster.procs import _proc_stat\n"
+            "from pdd_serve.cluster.procs import proc_stat\n"
             "pid = int(sys.argv[1])\n"
-            "while (st := _proc_stat(pid)) and st[0] != 'Z':\n"
+            "while (st := proc_stat(pid)) and st[0] != 'Z':\n"
             "    time.sleep(1.0)\n"
             "cfg = LocalClusterConfig(port=int(sys.argv[2]), node_ip=sys.argv[3], temp_dir=sys.argv[4],\n"
             "                         state_dir=sys.argv[5])\n"

@@ -13,8 +13,9 @@ from pathlib import Path
 # ---- processes (via /proc; psutil isn't a dependency) ----------------------------------------
 
 
-def _proc_stat(pid: int) -> tuple[str, int, int] | None:
-    """(state letter, parent pid, process group) of pid, or None if it's gone."""
+def proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state letter, parent pid, process group) of pid, or None if it's gone. Public: the reaper
+    (`local.spawn_reaper`) imports it in a `python -c` string."""
     try:
         data = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -33,7 +34,7 @@ def _cmdline(pid: int) -> str:
 def _snapshot() -> dict[int, tuple[str, int, int]]:
     out = {}
     for name in os.listdir("/proc"):
-        if name.isdigit() and (st := _proc_stat(int(name))) is not None:
+        if name.isdigit() and (st := proc_stat(int(name))) is not None:
             out[int(name)] = st
     return out
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_TIME_SCALE = 1e6  # time_scale lies in (0, MAX_TIME_SCALE)
+
 
 @dataclass(frozen=True)
 class Clock:
@@ -26,8 +28,8 @@ class Clock:
 
     def __post_init__(self) -> None:
         if isinstance(self.time_scale, bool) or not isinstance(self.time_scale, (int, float)) \
-                or not 0 < self.time_scale < 1e6:
-            raise ValueError(f"time_scale must be a number > 0, got {self.time_scale!r}")
+                or not 0 < self.time_scale < MAX_TIME_SCALE:
+            raise ValueError(f"time_scale must be a number in (0, 1e6), got {self.time_scale!r}")
 
     def real(self, emulated_s: float) -> float:
         """An emulated duration (a modelled step, a link delay, a timeout) as real seconds to wait."""
@@ -38,5 +40,8 @@ class Clock:
         return real_s / self.time_scale
 
     def slower(self, factor: float = 2.0) -> Clock:
-        """The clock a run whose CPU work overran the modelled steps should try next."""
-        return Clock(self.time_scale * factor)
+        """The clock a run whose CPU work overran the modelled steps should try next; this clock
+        itself when `factor` times slower would pass MAX_TIME_SCALE (a warning suggests it, and a
+        warning must not raise)."""
+        scale = self.time_scale * factor
+        return Clock(scale) if scale < MAX_TIME_SCALE else self

@@ -6,8 +6,10 @@ Pure (no Ray, no torch). Three users, one model (docs/design.md, "Emulated accel
 - KV capacity and the bytes a request's KV puts on the link are the emulated model's;
 - the simulator (`evaluations/sim`) imports these functions unchanged, as it does `policy.py`.
 The data is the one chip and model catalog, `costmodel.yaml` beside this file: `load_catalog` is the
-only reader of chip entries (a user's own catalog, `--catalog` or a scenario's `catalog:`, comes in
-through it too), and `pdd compare`'s BCR takes its prices from the same entries.
+only reader of chip entries, and `pdd compare`'s BCR takes its prices from the same entries. A
+user's own catalog file (`pdd compare`/`pdd sweep`/`pdd plan --catalog`, a scenario's `catalog:`)
+comes in one way, `user_catalog`: the shipped catalog with the file's chips, models and line prices
+added, the file's entries winning over same-named ones.
 
 A forward over `tokens` new tokens that attend to `attn_keys` (token, key) pairs and touch
 `kv_tokens` tokens of KV costs
@@ -224,8 +226,7 @@ def _line_price(entry: Any, where: str) -> float:
 @lru_cache(maxsize=8)
 def load_catalog(path: str | Path = CATALOG_PATH) -> Catalog:
     """The catalog in `path` (default: the shipped one). The one reader of chip entries: a user's
-    own catalog (`--catalog`, a scenario's `catalog:`) comes in here too, and `Catalog.merged`
-    adds it to the shipped one. Errors name the file and the entry."""
+    own catalog comes in here too, through `user_catalog`. Errors name the file and the entry."""
     import yaml
 
     try:
@@ -244,6 +245,14 @@ def load_catalog(path: str | Path = CATALOG_PATH) -> Catalog:
     except CostModelError as e:
         raise CostModelError(f"{path}: {e}") from None
     return Catalog(chips, models, links, str(path))
+
+
+def user_catalog(path: str | Path | None) -> Catalog:
+    """The shipped catalog with a user's own catalog file over it (its entries win over same-named
+    ones); None: the shipped catalog. The one way a user's catalog comes in (`--catalog FILE`, a
+    scenario's `catalog: FILE`)."""
+    shipped = load_catalog()
+    return shipped if path is None else shipped.merged(load_catalog(path))
 
 
 # ---------------------------------------------------------------- the roofline

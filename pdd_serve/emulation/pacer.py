@@ -171,9 +171,11 @@ def overrun_warning(stats: dict[str, float], clock: Clock) -> str | None:
            if stats.get(f"overrun_share_{k}", 0.0) > OVERRUN_WARN_SHARE]
     if not bad:
         return None
+    slower = clock.slower()
+    advice = (f"raise time_scale (now {clock.time_scale:g}, try {slower.time_scale:g})" if slower != clock
+              else f"time_scale {clock.time_scale:g} can go no slower (it stays under 1e6)")
     return (f"emulation overrun above {OVERRUN_WARN_SHARE:.0%} ({', '.join(bad)} of steps took longer in real "
-            f"time than modeled): these figures measure this machine's CPU; raise time_scale "
-            f"(now {clock.time_scale:g}, try {clock.slower().time_scale:g})")
+            f"time than modeled): these figures measure this machine's CPU; {advice}")
 
 
 def merge_stats(parts: list[dict[str, float]]) -> dict[str, float]:

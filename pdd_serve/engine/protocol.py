@@ -26,8 +26,8 @@ The primitives, by what a request goes through:
                context_mismatches, failed (why the engine can no longer serve, or None)
 
 `EngineBase` builds the rest once on top of these: the single-request reference `generate`
-(admit, run to the end, release whatever happens), the default `warmup` and `kv_bytes`; an
-engine adds `run_to_end` and its own `generate_batch`.
+(admit, run to the end, release whatever happens) and the default `warmup`; an engine adds
+`run_to_end` and its own `generate_batch`.
 
 Emulated chips sit *above* the seam (`emulation.PacedEngine`): an engine only reports each forward
 it ran (`on_forward(ForwardWork)`: what kind, how many sequences and tokens, how much context,
@@ -185,9 +185,6 @@ class EngineBase:
     def warmup(self) -> None:
         """Run the first-call costs (kernels, allocations) before serving: one short request."""
         self.generate(self.warmup_prompt(), 4)
-
-    def kv_bytes(self, num_tokens: int) -> int:
-        return num_tokens * self.layout.bytes_per_token
 
 
 def engine_members() -> frozenset[str]:

@@ -152,8 +152,9 @@ def render_tail(spec: LaunchSpec, config_name: str) -> str:
              _pip(spec, "-U pip")]
     return "".join([
         GENERATED_MARK, "\n",
-        "# The repo (node-args reads this file on each host) and the secrets made first (README.md):\n",
-        "# .pdd/launch/{ray_auth_token, flight_token, api_keys, tls/{ca.crt, md.crt, md.key}}.\n",
+        "# The repo (node-args reads this file on each host) and the secrets made first\n",
+        "# (docs/cluster-launch.md): .pdd/launch/{ray_auth_token, flight_token, api_keys,\n",
+        "# tls/{ca.crt, md.crt, md.key}}.\n",
         "file_mounts:\n  ~/pdd_serve: .\n  ~/.pdd/launch: .pdd/launch\n",
         "rsync_exclude: [" + ", ".join(_quote(x) if "*" not in x else f'"{x}"' for x in RSYNC_EXCLUDE) + "]\n",
         "cluster_synced_files: []\nfile_mounts_sync_continuously: false\ninitialization_commands: []\n",
@@ -162,9 +163,10 @@ def render_tail(spec: LaunchSpec, config_name: str) -> str:
         "# torch, the launcher's Ray and PDD; the head also the provider's SDK (its autoscaler drives it).\n",
         _yaml_list("head_setup_commands", head_setup),
         _yaml_list("worker_setup_commands", worker_setup),
-        "\n# Fixed ports, so the firewall between the datacenters can name them (README.md lists them): GCS\n"
-        "# 6379, object manager 8076, node manager 8077, dashboard agent 8078/52365, metrics 8080, workers\n"
-        "# 10002-10999. The dashboard stays on the head's loopback (`ray dashboard` tunnels it).\n",
+        "\n# Fixed ports, so the firewall between the datacenters can name them (docs/cluster-launch.md\n"
+        "# lists them): GCS 6379, object manager 8076, node manager 8077, dashboard agent 8078/52365,\n"
+        "# metrics 8080, workers 10002-10999. The dashboard stays on the head's loopback (`ray dashboard`\n"
+        "# tunnels it).\n",
         _yaml_list("head_start_ray_commands", _start(spec, config_name, head=True)),
         _yaml_list("worker_start_ray_commands", _start(spec, config_name, head=False)),
     ])

@@ -19,16 +19,17 @@ logger = logging.getLogger("pdd_serve")
 SITE_LABEL = "pdd.site"
 
 
-def load_engine(model: ModelConfig, enable_prefix_cache: bool = True, threads: int = 1,
-                emulation: Emulation | None = None, clock: Clock = Clock()) -> EngineBackend:
+def load_engine(model: ModelConfig, enable_prefix_cache: bool = True, threads: int = 1, *,
+                emulation: Emulation | None = None, clock: Clock) -> EngineBackend:
     """Each replica gets a thread budget: several replicas share few cores on one machine.
 
     `model` is the role's effective config (`PDDConfig.engine_for(role)`); its `threads`, when the
     graph sets it (`model.threads` or `engines.<role|site>.threads`), wins over the role's default.
     With an `emulation` (`emulation.pacer.build_emulation(cfg, role)`) every forward is paced to the
-    emulated chip on the graph's `clock` (slow motion), and the KV pool holds what the emulated
-    chips hold (in real blocks of the small model), capped by `kv_cache_bytes`: nothing allocates
-    gigabytes because a chip has them."""
+    emulated chip on the graph's `clock` (slow motion; no default, so no role paces at one scale
+    while its link runs at another), and the KV pool holds what the emulated chips hold (in real
+    blocks of the small model), capped by `kv_cache_bytes`: nothing allocates gigabytes because a
+    chip has them."""
     import torch
 
     from pdd_serve.checkpoints import resolve_model

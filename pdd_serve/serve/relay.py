@@ -40,9 +40,10 @@ RECOUNT_S = 5.0
 class Relay:
     def __init__(self, cfg: PDDConfig) -> None:
         self.cfg = cfg
+        self.clock = Clock(cfg.time_scale)  # slow motion: real seconds waited, emulated ones reported
         # no prefix cache: RLD receives every prompt's KV from P; it holds KV only while it relays
         self.engine = load_engine(cfg.engine_for("relay"), enable_prefix_cache=False,
-                                  emulation=build_emulation(cfg, "relay"), clock=Clock(cfg.time_scale))
+                                  emulation=build_emulation(cfg, "relay"), clock=self.clock)
         self.worker = EngineWorker(self.engine, cfg.engine_for("relay").max_batch)
         self.where = placement()
         self.tokens_generated = 0

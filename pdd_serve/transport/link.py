@@ -48,8 +48,9 @@ JITTERS = ("constant", "lognormal", "trace", "stalls")
 
 
 @dataclass(frozen=True)
-class LinkConfig:
-    """A link's parameters. `bandwidth_bps=None` means unpaced (same datacenter)."""
+class LineConfig:
+    """A line's parameters, what a `LinkModel` runs (a graph's `link:` section, pdd_serve.config's
+    `LinkConfig`, names a preset of these). `bandwidth_bps=None` means unpaced (same datacenter)."""
 
     bandwidth_bps: float | None = None  # bits/s
     one_way_latency_s: float = 0.0
@@ -124,7 +125,7 @@ def load_trace(path: str | Path) -> tuple[float, ...]:
     return tuple(vals)
 
 
-def trace_values(c: LinkConfig) -> tuple[float, ...]:
+def trace_values(c: LineConfig) -> tuple[float, ...]:
     """A trace line's values, inline or read from its file (checked: a throughput trace must let
     something through); () for other jitters."""
     vals = c.trace or (load_trace(c.trace_path) if c.jitter == "trace" and c.trace_path else ())
@@ -135,16 +136,16 @@ def trace_values(c: LinkConfig) -> tuple[float, ...]:
 
 # Calibrations of the presets (bits/s, one-way s, jitter). Not measurements: docs/pdd.md gives only the
 # 10-100 Gbps Ethernet and the 1-20 s fluctuating transfers; these are our stand-ins.
-_PRESETS: dict[str, LinkConfig] = {
-    "same_dc": LinkConfig(),
-    "wan_10g": LinkConfig(10e9, 0.010, "lognormal", sigma=0.25),
-    "wan_100g": LinkConfig(100e9, 0.010, "lognormal", sigma=0.25),
+_PRESETS: dict[str, LineConfig] = {
+    "same_dc": LineConfig(),
+    "wan_10g": LineConfig(10e9, 0.010, "lognormal", sigma=0.25),
+    "wan_100g": LineConfig(100e9, 0.010, "lognormal", sigma=0.25),
     # 4 Gbps median per transfer = 4e9 * exp(1/2) mean (lognormal factors have mean 1)
-    "pdd_report": LinkConfig(4e9 * math.exp(0.5), 0.050, "lognormal", sigma=1.0, epoch_s=5.0),
+    "pdd_report": LineConfig(4e9 * math.exp(0.5), 0.050, "lognormal", sigma=1.0, epoch_s=5.0),
 }
 
 
-def preset_config(name: str, kv_bytes_per_token: int | None = None, **overrides: object) -> LinkConfig:
+def preset_config(name: str, kv_bytes_per_token: int | None = None, **overrides: object) -> LineConfig:
     """A named line's parameters (`LinkModel.preset` says what each is and how they scale), with
     `overrides` of any of them."""
     if name not in _PRESETS:
@@ -166,13 +167,13 @@ class LinkModel:
     `timer`: the real time source (tests pass a fake one).
     """
 
-    def __init__(self, config: LinkConfig | None = None, *, clock: Clock = Clock(),
+    def __init__(self, config: LineConfig | None = None, *, clock: Clock = Clock(),
                  timer: Callable[[], float] = time.monotonic, byte_scale: float = 1.0, **fields: object) -> None:
         if config is not None and fields:
-            raise TypeError("pass a LinkConfig or its fields, not both")
+            raise TypeError("pass a LineConfig or its fields, not both")
         if not byte_scale > 0:
             raise ValueError(f"byte_scale must be > 0, got {byte_scale}")
-        self.config = config if config is not None else LinkConfig(**fields)  # type: ignore[arg-type]
+        self.config = config if config is not None else LineConfig(**fields)  # type: ignore[arg-type]
         # emulation (pdd_serve/emulation/clock.py): the link runs on the graph's emulated clock, so
         # latency, epochs, stalls and rates are the emulated line's, and each real KV byte paced
         # stands for `byte_scale` bytes of the emulated model's KV

@@ -112,6 +112,7 @@ def test_overrun_is_counted_per_step_kind_and_never_slept_away() -> None:
     assert st["prefill_overrun_s"] == pytest.approx(0.3)  # 0.5 real against 0.2 modeled-in-real
     assert len(clk.slept) == 4  # the overrun steps slept nothing
     assert "raise time_scale (now 2, try 4)" in overrun_warning(st, Clock(2))
+    assert "time_scale 500000 can go no slower" in overrun_warning(st, Clock(5e5))  # a warning never raises
     merged = merge_stats([st, st])
     assert merged["decode_steps"] == 8 and merged["overrun_share_decode"] == 0.25
 
@@ -268,9 +269,9 @@ def test_bad_emulate_block_is_refused_at_load_with_the_field_named(emulate, fiel
 
 
 @pytest.mark.parametrize("args, field", [
-    (_cross(time_scale=0), "time_scale must be a number > 0, got 0"),
-    (_cross(time_scale=-2), "time_scale must be a number > 0, got -2"),
-    (_cross(time_scale=True), "time_scale must be a number > 0, got True"),
+    (_cross(time_scale=0), "time_scale must be a number in (0, 1e6), got 0"),
+    (_cross(time_scale=-2), "time_scale must be a number in (0, 1e6), got -2"),
+    (_cross(time_scale=True), "time_scale must be a number in (0, 1e6), got True"),
     ({"time_scale": 5}, "time_scale 5 slows an emulated graph, and this graph has no emulate: block"),
     (_cross(link={"preset": "wan_10g", "time_scale": 20}), "link.time_scale: time_scale is one key for the whole "
                                                            "graph now: write `time_scale: 20` at the top"),
@@ -286,8 +287,9 @@ def test_the_clock_is_the_one_place_slow_motion_is_applied() -> None:
     assert clock.real(0.5) == 10.0 and clock.emulated(10.0) == 0.5 and clock.slower() == Clock(40)
     assert Clock().real(3.0) == 3.0 == Clock().emulated(3.0)  # unemulated: real time is emulated time
     assert load_config(_cross()).time_scale == 20.0 and load_config({}).time_scale == 1.0
-    with pytest.raises(ValueError, match="time_scale must be a number > 0"):
+    with pytest.raises(ValueError, match=r"time_scale must be a number in \(0, 1e6\)"):
         Clock(0)
+    assert Clock(4e5).slower() == Clock(8e5) and Clock(5e5).slower() == Clock(5e5)  # never past the bound
 
 
 def test_inline_model_shape() -> None:
@@ -357,6 +359,24 @@ def test_relay_cost_fraction_prices_a_share_of_the_relay(tmp_path) -> None:
                    + "relay_cost_fraction: 0\n")
     with pytest.raises(ScenarioError, match="relay_cost_fraction"):
         load_scenario(bad)
+
+
+@pytest.mark.parametrize("old,new,where", [
+    ("sla: {ttft_s: 1.0, tpot_s: 0.05}", "sla: {ttft_s: 1.0}", "sla.tpot_s: required"),  # no silent default
+    ("sla: {ttft_s: 1.0, tpot_s: 0.05}", "sla: {tpot_s: 0.05}", "sla.ttft_s: required"),
+    ("\ntime_scale:", "\ntime_scale: true\n_was:", "time_scale"),  # the Clock's checks: not a bool
+    ("\ntime_scale:", "\ntime_scale: 1.0e+7\n_was:", "time_scale"),  # nor beyond its bound
+])
+def test_emulated_scenario_errors_name_file_and_key(tmp_path, old: str, new: str, where: str) -> None:
+    from evaluations.sim.emulated import ScenarioError, load_scenario
+
+    text = open(load_scenario("emulated_70b").path).read()
+    assert old in text
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text.replace(old, new, 1).replace("\n_was:", "\n# was:"))
+    with pytest.raises(ScenarioError) as e:
+        load_scenario(bad)
+    assert str(bad) in str(e.value) and where in str(e.value), str(e.value)
 
 
 def test_each_repeat_draws_its_own_line_the_same_for_every_graph(tmp_path) -> None:
@@ -447,7 +467,7 @@ def test_the_emulated_compare_reads_its_runs_back_offline(tmp_path) -> None:
         "pdd compare --emulate emulated_70b --repeats 3 --naive-once --graphs graphs/pdd.yaml")
     typed = "pdd compare --emulate emulated_70b --repeats 3 --naive-once --seed 7"  # as the cli passes it
     assert emulated_command(CompareConfig(emulate=sc, command=typed)) == typed
-    summaries = {n: summarize_graph(r, cfg.sla, dict(cfg.site_chips), costmodel.load_catalog(cfg.catalog))
+    summaries = {n: summarize_graph(r, cfg.sla, dict(cfg.site_chips), costmodel.user_catalog(cfg.catalog))
                  for n, r in results.items()}
     fl = floors(results)
     assert set(fl) == set(results)  # emulated: every graph, same-DC included, has a modeled floor

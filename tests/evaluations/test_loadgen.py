@@ -16,7 +16,7 @@ from evaluations.cost import CatalogError, bcr, hardware_cost
 from evaluations.harness import prepare_graphs
 from evaluations.loadgen import SLA, LoadConfig, RequestRecord, run_workload, summarize_run
 from evaluations.workloads import Session, Turn
-from pdd_serve.emulation.costmodel import CostModelError, load_catalog
+from pdd_serve.emulation.costmodel import CostModelError, load_catalog, user_catalog
 
 
 def _fake_server(calls: list[dict]) -> httpx.MockTransport:
@@ -169,6 +169,20 @@ def test_hardware_cost_and_bcr_from_the_catalog(tmp_path):
     old.write_text("chips:\n  x: {price_per_hour: 1, memory_gb: 80}\n")
     with pytest.raises(CostModelError, match="chips.x.memory_gb: unknown field"):
         load_catalog(old)
+
+
+def test_a_users_catalog_adds_to_the_shipped_one(tmp_path):
+    """`--catalog FILE` and a scenario's `catalog:` come in one way: the shipped catalog with the
+    file's entries over it."""
+    assert user_catalog(None) == load_catalog()
+    own = tmp_path / "own.yaml"
+    own.write_text("chips:\n  h20: {peak_tflops: 1, mem_gb: 1, mem_bw_gb_s: 1, interconnect_gb_s: 1, price_per_hour: 9}\n"
+                   "  x: {peak_tflops: 1, mem_gb: 1, mem_bw_gb_s: 1, interconnect_gb_s: 1, price_per_hour: 2}\n"
+                   "links:\n  cross_dc: {price_per_hour: 0.5}\n")
+    cat, shipped = user_catalog(own), load_catalog()
+    assert cat.chip("h20").price_per_hour == 9 and cat.chip("x").price_per_hour == 2  # yours win, and add
+    assert cat.chip("cpu") == shipped.chip("cpu") and cat.models == shipped.models  # the shipped ones stay
+    assert cat.link_price(True) == 0.5 and cat.link_price(False) == shipped.link_price(False)
 
 
 def test_request_floor_counts_the_hops_and_bytes_the_first_token_needs():

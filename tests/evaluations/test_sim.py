@@ -230,6 +230,16 @@ def test_config_errors_name_file_and_field(tmp_path: Path, old: str, new: str, w
     assert str(p) in str(e.value) and where in str(e.value), str(e.value)
 
 
+def test_a_users_catalog_is_a_scenarios_catalog(tmp_path: Path) -> None:
+    """`pdd plan --catalog FILE` reads FILE as a scenario's `catalog:`: over the shipped catalog, and
+    refused beside a scenario's own."""
+    (tmp_path / "mine.yaml").write_text(TINY_CHIPS.replace("price_per_hour: 1.2", "price_per_hour: 1.7"))
+    sc = load_scenario(_write(tmp_path, TINY.replace("catalog: tiny_chips.yaml\n", "")), tmp_path / "mine.yaml")
+    assert sc.chips["b"].price_per_hour == 1.7 and "h20" in sc.chips
+    with pytest.raises(ScenarioError, match="names its own catalog"):
+        load_scenario(_write(tmp_path), tmp_path / "mine.yaml")
+
+
 def test_builtin_scenarios_load() -> None:
     for name in ("report", "mooncake", "cpu_validate"):
         sc = load_scenario(name)

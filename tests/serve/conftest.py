@@ -48,9 +48,10 @@ def md(cfg: PDDConfig):  # noqa: ANN201 - the plain MainDecode class (Serve's de
 
 @pytest.fixture
 def sender(cfg: PDDConfig):  # noqa: ANN201 - the Prefill side's engine: makes the KV MD receives
+    from pdd_serve.emulation.clock import Clock
     from pdd_serve.serve.common import load_engine
 
-    return load_engine(cfg.model, enable_prefix_cache=False)
+    return load_engine(cfg.model, enable_prefix_cache=False, clock=Clock(cfg.time_scale))
 
 
 @pytest.fixture

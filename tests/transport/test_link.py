@@ -12,7 +12,7 @@ import pytest
 from pdd_serve.engine.kv import KVLayout
 from pdd_serve.transport import link as link_mod
 from pdd_serve.transport.flight import KVFlightClient, KVFlightServer
-from pdd_serve.transport.link import REFERENCE_KV_BYTES_PER_TOKEN, BandwidthEstimator, LinkConfig, LinkModel
+from pdd_serve.transport.link import REFERENCE_KV_BYTES_PER_TOKEN, BandwidthEstimator, LineConfig, LinkModel
 from tests.helpers import make_blocks
 
 MB = 1_000_000
@@ -23,8 +23,8 @@ def test_config_checks() -> None:
                 dict(jitter="gaussian"), dict(jitter="lognormal"), dict(jitter="trace"), dict(jitter="stalls"),
                 dict(stalls=((1.0, 0.0),)), dict(trace_kind="x"), dict(epoch_s=0), dict(trace=(-1.0,))):
         with pytest.raises(ValueError):
-            LinkConfig(**bad)  # type: ignore[arg-type]
-    cfg = LinkConfig(jitter="trace:/some/file.csv")  # config.py's shorthand
+            LineConfig(**bad)  # type: ignore[arg-type]
+    cfg = LineConfig(jitter="trace:/some/file.csv")  # config.py's shorthand
     assert cfg.jitter == "trace" and cfg.trace_path == "/some/file.csv"
     with pytest.raises(ValueError):
         LinkModel(bandwidth_bps=1e9, jitter="trace", trace=(0.0, 0.0), trace_kind="throughput")
@@ -65,7 +65,7 @@ def test_phase_replays_the_line_from_a_later_point_of_its_jitter() -> None:
     stalled = LinkModel(bandwidth_bps=8e6, jitter="stalls", stalls=[(10.0, 2.0)], phase_s=9.5)
     assert stalled.transfer_time(MB, 0.0) == pytest.approx(3.0)  # 0.5 s, the stall's 2 s, 0.5 s
     with pytest.raises(ValueError, match="phase_s"):
-        LinkConfig(bandwidth_bps=1e9, phase_s=-1.0)
+        LineConfig(bandwidth_bps=1e9, phase_s=-1.0)
 
 
 def test_lognormal_bandwidth_is_the_mean_rate() -> None:

@@ -472,7 +472,6 @@ class VllmEngine(EngineBase):
             for s in seqs:
                 self.release(s)
 
-
     def num_live(self) -> int:
         """vLLM requests this engine holds (zero when every sequence was released)."""
         return (len(self._live) + len(self._by_ext) + len(self._held) + len(self._base)
