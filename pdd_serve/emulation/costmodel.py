@@ -314,6 +314,28 @@ def kv_capacity_tokens(chip: ChipSpec, m: ModelShape, n_chips: int, reserve_frac
     return max(0, int(free // m.kv_bytes_per_token))
 
 
+def decode_batch_limit(chip: ChipSpec, m: ModelShape, n_chips: int, tpot_s: float, ctx_per_seq: int,
+                       pool_tokens: int) -> int:
+    """The largest decode batch the emulated chips run within the TPOT SLO, with every sequence
+    holding `ctx_per_seq` tokens of KV, and whose KV fits the pool (0: not even one sequence).
+    A decode replica's batch cap comes from its chips and the SLO, not from a fixed number."""
+    if tpot_s <= 0 or ctx_per_seq < 1:
+        raise CostModelError(f"tpot_s must be > 0 and ctx_per_seq >= 1, got {tpot_s}, {ctx_per_seq}")
+
+    def fits(b: int) -> bool:
+        return b * ctx_per_seq <= pool_tokens and decode_step_time(chip, m, n_chips, b, b * ctx_per_seq) <= tpot_s
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2  # step time and KV both grow with the batch: find a batch that doesn't fit, then bisect
+    while fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
 def check_fits(chip: ChipSpec, m: ModelShape, n_chips: int, reserve_fraction: float) -> None:
     if kv_capacity_tokens(chip, m, n_chips, reserve_fraction) < 1:
         raise CostModelError(f"{m.name} ({m.weight_bytes / 1e9:.0f} GB of weights) does not fit on {n_chips} x "

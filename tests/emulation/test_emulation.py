@@ -70,6 +70,22 @@ def test_kv_capacity_is_hbm_minus_weights() -> None:
         costmodel.check_fits(H100, L70, 1, 0.1)
 
 
+
+def test_the_decode_batch_limit_comes_from_the_chips_the_slo_and_the_pool() -> None:
+    pool = costmodel.kv_capacity_tokens(H100, L70, 8, 0.1)
+    ctx = 4096
+    b = costmodel.decode_batch_limit(H100, L70, 8, 0.02, ctx, pool)
+    assert 1 <= b < pool // ctx  # the SLO binds: the largest batch within 20 ms a step, the next one over it
+    assert costmodel.decode_step_time(H100, L70, 8, b, b * ctx) <= 0.02 < \
+        costmodel.decode_step_time(H100, L70, 8, b + 1, (b + 1) * ctx)
+    assert costmodel.decode_batch_limit(H100, L70, 8, 1e3, ctx, pool) == pool // ctx  # a loose SLO: the pool binds
+    assert costmodel.decode_batch_limit(H100, L70, 8, 0.02, ctx, 10 * ctx) == 10
+    assert costmodel.decode_batch_limit(H100, L70, 8, 1e-4, ctx, pool) == 0  # not even one sequence in time
+    assert costmodel.decode_batch_limit(H100, L70, 8, 0.02, ctx, ctx - 1) == 0  # nor in the pool
+    with pytest.raises(costmodel.CostModelError, match="tpot_s"):
+        costmodel.decode_batch_limit(H100, L70, 8, 0.0, ctx, pool)
+
+
 # ---------------------------------------------------------------- the pacer (fake clock)
 
 
