@@ -35,7 +35,7 @@ from pdd_serve.engine.kv import (
 from pdd_serve.engine.model import AttnContext, LlamaModel, ModelArgs, load_model
 from pdd_serve.engine.protocol import EngineBase, ForwardWork
 from pdd_serve.engine.radix_cache import PrefixMatch, RadixCache
-from pdd_serve.engine.sampling import RequestError, SamplingParams, sample
+from pdd_serve.engine.sampling import RequestError, SamplingParams, check_prompt_ids, sample
 
 log = logging.getLogger("pdd_serve")
 
@@ -150,12 +150,7 @@ class Engine(EngineBase):
             prompt_hashes: Iterable[int] | None = None) -> Sequence:
         """Validate a request and create its state (no KV yet). `prompt_hashes`: the prompt's hash
         chain as the Router computed it (carried, so no replica hashes the prompt again)."""
-        if not prompt_token_ids:
-            raise RequestError("the prompt is empty: send at least one token")
-        vocab = self.args.vocab_size
-        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
+        check_prompt_ids(prompt_token_ids, self.args.vocab_size)
         ctx = self.args.max_position_embeddings
         if len(prompt_token_ids) + params.max_tokens > ctx:
             raise RequestError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "

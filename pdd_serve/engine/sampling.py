@@ -15,6 +15,15 @@ class RequestError(ValueError):
     Deterministic: the same request fails the same way anywhere, so it is never retried."""
 
 
+def check_prompt_ids(prompt_token_ids: list[int], vocab: int) -> None:
+    """A prompt both engine backends refuse before they hold any state for it."""
+    if not prompt_token_ids:
+        raise RequestError("the prompt is empty: send at least one token")
+    bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+    if bad is not None:
+        raise RequestError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
+
+
 # Below this temperature sampling is greedy, as in vLLM (_SAMPLING_EPS): logits / T overflows
 # long before T reaches 0 (1e-40 gave inf, NaN probabilities and a multinomial crash), and the
 # distribution it tends to is the argmax anyway. Above it, float64 keeps softmax exact.

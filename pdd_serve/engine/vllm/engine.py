@@ -46,7 +46,7 @@ from pdd_serve.engine.kv import (
 )
 from pdd_serve.engine.model import ModelArgs
 from pdd_serve.engine.protocol import EngineBase, ForwardWork
-from pdd_serve.engine.sampling import RequestError, SamplingParams
+from pdd_serve.engine.sampling import RequestError, SamplingParams, check_prompt_ids
 
 # what we set and the graph may not: the connector is ours, the tokenizer is the router's
 FIXED_ARGS = ("model", "kv_transfer_config", "kv_events_config", "skip_tokenizer_init", "enable_prefix_caching")
@@ -186,12 +186,7 @@ class VllmEngine(EngineBase):
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             prompt_hashes: Iterable[int] | None = None) -> Sequence:
-        if not prompt_token_ids:
-            raise RequestError("the prompt is empty: send at least one token")
-        vocab = self.args.vocab_size
-        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
+        check_prompt_ids(prompt_token_ids, self.args.vocab_size)
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
             raise RequestError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
                                f"exceeds max_model_len {self.max_model_len}")
