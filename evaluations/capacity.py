@@ -99,12 +99,14 @@ class SearchIncomplete(RuntimeError):
 
 
 def search_capacity(probe: Callable[[float], Probe], cfg: CapacitySearch, start_rate: float,
-                    log: Callable[[str], None] = lambda m: None) -> tuple[Bracket, list[Probe]]:
+                    log: Callable[[str], None] = lambda m: None,
+                    initial: Iterable[Probe] = ()) -> tuple[Bracket, list[Probe]]:
     """Probe rates until the bracket is tight. Raises SearchIncomplete (with the probes so far)
-    when `max_probes` runs out first: a bracket wider than asked is not a capacity."""
+    when `max_probes` runs out first: a bracket wider than asked is not a capacity. `initial`:
+    probes already run (e.g. at a common rate fixed before the search); they count as its own."""
     if not start_rate > 0:
         raise ValueError(f"start_rate must be > 0, got {start_rate}")
-    probes: list[Probe] = []
+    probes: list[Probe] = list(initial)  # where there are some, the bracket decides the next rate
     while (rate := next_rate(probes, cfg, start_rate)) is not None:
         if len(probes) == cfg.max_probes:
             b = bracket(probes, cfg.attainment)

@@ -12,6 +12,8 @@ import dataclasses
 import json
 import shlex
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
 from pdd_serve.cli import Command, UsageError
@@ -248,6 +250,20 @@ def _add_compare(p: argparse.ArgumentParser) -> None:
                         "model on its chips, KV on the line at the emulated size, in slow motion "
                         "(evaluations/scenarios/NAME.yaml or a path; e.g. emulated_70b). The scenario gives the "
                         "link, the SLA, the workload's shape and time_scale; every figure printed is emulated")
+    g.add_argument("--check-blind", action="store_true",
+                   help="with --capacity: probe each graph only at the two rates of its blind bracket (met, missed) "
+                        "instead of searching: a check of the prediction in two probes per graph, not a capacity")
+    g.add_argument("--time-scale", type=float, default=None,
+                   help="with --emulate: run in slow motion at this factor instead of the scenario's time_scale "
+                        "(lower is faster to run; the JSON's emulation_overrun_share_* say whether this machine "
+                        "kept up: above 0.05, raise it)")
+    g.add_argument("--capacity", action="store_true",
+                   help="with --emulate: BCR the report's way. Each graph's capacity (the highest offered rate at "
+                        "which 90%% of requests meet both SLOs; a 503 is a miss), bracketed within 10%% by open-loop "
+                        "probes of >= 100 requests whose later turns carry the reference answers; a calibration "
+                        "step and the simulator's blind prediction come first. BCR = capacity per $/h of every "
+                        "chip (replicas priced whole) and the line, at market and the report's relative prices. "
+                        "Default graphs: pd_same_dc, pd_cross_dc, pdd. About 60-75 minutes here at time_scale 20")
 
 
 def _run_compare(args: argparse.Namespace) -> int:
@@ -258,6 +274,8 @@ def _run_compare(args: argparse.Namespace) -> int:
     from pdd_serve.emulation.costmodel import CostModelError
 
     scenario = None
+    if args.time_scale is not None and not args.emulate:
+        raise _usage("pdd compare: error: --time-scale sets an emulated run's slow motion: it needs --emulate SCENARIO")
     if args.emulate:
         from evaluations.sim.emulated import ScenarioError, load_scenario
 
@@ -267,12 +285,23 @@ def _run_compare(args: argparse.Namespace) -> int:
             raise _usage(f"pdd compare: error: {e}") from None
         if args.shaped_link:
             raise _usage("pdd compare: error: --emulate paces the link in slow motion; drop --shaped-link")
+        if args.time_scale is not None:
+            from pdd_serve.emulation.clock import Clock
+
+            try:
+                scenario = dataclasses.replace(scenario, time_scale=float(Clock(args.time_scale).time_scale))
+            except ValueError as e:
+                raise _usage(f"pdd compare: error: --time-scale: {e}") from None
         for k, v in scenario.workload.items():  # the scenario's workload shape, over the flags' defaults
             if not hasattr(args, k):
                 raise _usage(f"pdd compare: error: {scenario.path}: workload.{k}: unknown agentic workload setting")
             setattr(args, k, v)
         args.link = json.dumps(scenario.link)
         args.sla_ttft, args.sla_tpot = scenario.sla.ttft_s, scenario.sla.tpot_s
+    if args.check_blind and not args.capacity:
+        raise _usage("pdd compare: error: --check-blind checks a capacity prediction: it needs --capacity")
+    if args.capacity:
+        return _run_capacity(args, scenario)
     workload = _workload(args)
     default = SHAPED_GRAPHS if args.shaped_link else DEFAULT_GRAPHS
     graphs = tuple(g.strip() for g in args.graphs.split(",") if g.strip()) if args.graphs else default
@@ -297,6 +326,39 @@ def _run_compare(args: argparse.Namespace) -> int:
         return _fail("compare", e)
     return 1 if res["headline"]["mismatched_requests"] or any(
         s["errors"] for s in res["summaries"].values()) else 0
+
+
+def _run_capacity(args: argparse.Namespace, scenario: Any) -> int:
+    from evaluations.capacity_compare import CAPACITY_GRAPHS, CapacityConfig, run_capacity_compare
+    from evaluations.harness import EvalError
+    from pdd_serve.cluster.local import ClusterError
+
+    if scenario is None:
+        raise _usage("pdd compare: error: --capacity needs --emulate SCENARIO (capacity is searched on emulated chips)")
+    if args.repeats != 1 or args.naive_once:
+        raise _usage("pdd compare: error: --capacity searches each graph once; drop --repeats/--naive-once")
+    graphs = tuple(g.strip() for g in args.graphs.split(",") if g.strip()) if args.graphs else CAPACITY_GRAPHS
+    try:
+        cap = CapacityConfig.of(scenario.capacity)
+        kw = _common_kwargs(args, "pdd-capacity")
+        load = dataclasses.replace(kw["load"], time_scale=scenario.time_scale)
+    except ValueError as e:
+        raise _usage(f"pdd compare: error: {scenario.path}: {e}") from None
+    tracker = None
+    if kw["mlflow"]:
+        from evaluations.tracking import Tracker
+
+        tracker = Tracker(kw["tracking_uri"], kw["experiment"])  # a bad store fails before the long runs
+    out_dir = Path(kw["out_dir"] or f".pdd/eval/{kw['experiment']}-{time.strftime('%Y%m%d-%H%M%S')}")
+    argv = getattr(args, "_argv", None)
+    command = "pdd " + shlex.join(argv) if argv else f"pdd compare --emulate {scenario.name} --capacity"
+    try:
+        res = run_capacity_compare(scenario, graphs, kw["env"], load, out_dir, tracker, command, cap,
+                                   progress=kw["progress"], check_blind=args.check_blind)
+    except (EvalError, ClusterError) as e:
+        return _fail("compare", e)
+    h = res["headline"]
+    return 1 if h["errors"] or not h["outputs_identical"] else 0
 
 
 # ---------------------------------------------------------------- sweep

@@ -320,7 +320,7 @@ def emulated_headline(results: Mapping[str, GraphResult], summaries: Mapping[str
 
     sc = cfg.emulate
     for name, res in results.items():
-        c = cost_per_hour(res.graph.cfg, sc.relay_cost_fraction)
+        c = cost_per_hour(res.graph.cfg)
         summaries[name]["emulated_cost_per_hour_usd"] = c
         st = merge_stats([p["all"] for p in res.pacer if "all" in p])
         if st.get("prefill_steps") or st.get("decode_steps"):
@@ -333,27 +333,20 @@ def emulated_headline(results: Mapping[str, GraphResult], summaries: Mapping[str
         for name, res in results.items():
             if i < len(res.runs):
                 s = summarize_run(res.runs[i], cfg.sla)
-                c = cost_per_hour(res.graph.cfg, sc.relay_cost_fraction)
+                c = cost_per_hour(res.graph.cfg)
                 s["bcr_emulated"] = s["goodput_rps"] / c * 3600 if c else None
                 rep[name] = s
         per_repeat.append(rep)
     out: dict[str, Any] = {"emulated": True, "scenario": sc.name, "time_scale": sc.time_scale,
-                           "relay_cost_fraction": sc.relay_cost_fraction,
+                           "priced": "every replica whole, and the line",
                            "repeats": cfg.repeats, "emulated_model": sc.model.name,
                            "chips": {n: role_chips(r.graph.cfg) for n, r in results.items()},
-                           "emulated_cost_per_hour": {n: cost_per_hour(r.graph.cfg, sc.relay_cost_fraction) for n, r in results.items()}}
+                           "emulated_cost_per_hour": {n: cost_per_hour(r.graph.cfg) for n, r in results.items()}}
     for k, vals in repeat_ratios(per_repeat, PDD, CROSS, NAIVE, SAME).items():
         vs = [v for v in vals if v is not None]
         out[k] = statistics.median(vs) if vs else None
         out[f"{k}_spread"] = spread(vs)
         out[f"{k}_per_repeat"] = vals
-    if sc.relay_cost_fraction != 1.0 and PDD in summaries and SAME in summaries:
-        # the same goodputs with PDD paying for its relay replica whole (what this small
-        # deployment rents), beside the scenario's pooled-relay price
-        whole = {n: cost_per_hour(results[n].graph.cfg) for n in (PDD, SAME)}
-        b = ratio(ratio(summaries[PDD].get("goodput_rps"), whole[PDD]),
-                  ratio(summaries[SAME].get("goodput_rps"), whole[SAME]))
-        out["bcr_gain_vs_same_dc_whole_relay"] = None if b is None else b - 1
     stats = merge_stats([p["all"] for r in results.values() for p in r.pacer if "all" in p])
     for kind in ("prefill", "decode"):
         out[f"emulation_overrun_share_{kind}"] = stats.get(f"overrun_share_{kind}")

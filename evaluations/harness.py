@@ -288,6 +288,18 @@ def run_graph(graph: PreparedGraph, denv: dict[str, str], workloads: Sequence[Wo
               before_shutdown: Callable[[PreparedGraph], None] | None = None) -> list[list[RequestRecord]]:
     """Deploy one graph, drive each workload through it in order, shut it down (`before_shutdown`
     reads what the live graph knows, e.g. the emulated engines' overrun)."""
+    with deployed(graph, denv, env, log) as url:
+        out = [drive(url, w, load, desc=f"{graph.name} {w.name}", log=log, progress=progress,
+                     settle_s=settle_for(graph)) for w in workloads]
+        if before_shutdown is not None:
+            before_shutdown(graph)
+        return out
+
+
+@contextlib.contextmanager
+def deployed(graph: PreparedGraph, denv: dict[str, str], env: EvalEnv,
+             log: Callable[[str], None] = log_err) -> Iterator[str]:
+    """One graph deployed on the cluster for the block (its API's URL), shut down after it."""
     from pdd_serve.cluster.deploy import DeployError, deploy_graph, shutdown_serve
 
     shutdown_serve(denv)  # whatever ran before (a crashed earlier run, another app) goes
@@ -296,10 +308,6 @@ def run_graph(graph: PreparedGraph, denv: dict[str, str], workloads: Sequence[Wo
     except DeployError as e:
         raise EvalError(str(e)) from None
     try:
-        out = [drive(url, w, load, desc=f"{graph.name} {w.name}", log=log, progress=progress,
-                     settle_s=settle_for(graph)) for w in workloads]
-        if before_shutdown is not None:
-            before_shutdown(graph)
-        return out
+        yield url
     finally:
         shutdown_serve(denv)

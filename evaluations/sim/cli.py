@@ -30,6 +30,9 @@ Modes:
                                          (default scenario: mooncake); JSON has sim_seconds
   pdd simulate --bathtub                 benefit (BCR) vs hit rate; writes a PNG (slow)
   pdd simulate --tail-curve              one prefill instance vs hit rate per tail-chunk mode (fast)
+  pdd simulate --capacity-of emulated_70b
+                                         blind prediction of an emulated scenario: each graph's
+                                         capacity and BCR before `pdd compare --capacity` runs it
 
 Prints a table, then ONE final JSON line (bcr_gain, ttft_reduction, goodput_gain,
 rld_token_share, ...). Scenarios: evaluations/sim/scenarios/*.yaml; chips and model shapes:
@@ -74,6 +77,14 @@ def _add_simulate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iterations", type=int, default=None, help="goodput bisection steps (override)")
     p.add_argument("--prefill-count", type=int, default=None,
                    help="P instances of every deployment (e.g. a prefill-bound bathtub: fewer than the load needs)")
+    p.add_argument("--capacity-of", default=None, metavar="SCENARIO",
+                   help="blind prediction for an emulated scenario (evaluations/scenarios/NAME.yaml or a path, e.g. "
+                        "emulated_70b): each graph's capacity (highest rate with 90%% of requests within the SLA) "
+                        "and BCR (every replica priced whole, and the line; market and the report's relative "
+                        "prices), from the scenario alone: what `pdd compare --emulate NAME --capacity` then measures")
+    p.add_argument("--overhead-ms", type=float, default=0.0,
+                   help="with --capacity-of: the serving software's time per request in REAL ms (the compare "
+                        "measures its own in a calibration step; default: %(default)s)")
     p.add_argument("--mlflow", action="store_true",
                    help="log the result (params, JSON, plot) to MLflow, experiment pdd-simulate")
     p.add_argument("--plot", default=None,
@@ -126,8 +137,38 @@ def _json_line(d: dict[str, Any]) -> str:
     return json.dumps(_num(d), separators=(",", ":"))
 
 
+def _run_blind(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from evaluations.capacity_compare import blind_report
+    from evaluations.sim.emulated import ScenarioError, load_scenario
+    from pdd_serve.emulation.clock import Clock
+
+    if not (args.overhead_ms >= 0 and math.isfinite(args.overhead_ms)):
+        raise UsageError("pdd simulate: error: --overhead-ms must be >= 0")
+    try:
+        sc = load_scenario(args.capacity_of)
+        out = blind_report(sc, Clock(sc.time_scale).emulated(args.overhead_ms / 1e3),
+                           Path(tempfile.mkdtemp(prefix="pdd-blind-")))
+    except (ScenarioError, ValueError) as e:
+        raise UsageError(f"pdd simulate: error: {e}") from None
+    print(f"BLIND PREDICTION for {sc.name} (simulated, from the scenario file alone):")
+    for g, r in out["graphs"].items():
+        d = r.get("capacity_over_draws")
+        spread = f"  other link draws {d['min']:.3g}-{d['max']:.3g}" if d else ""
+        print(f"  {g:<12} capacity {r['capacity_rps']:.3g} req/s  $/h {r['cost_per_hour']['market']:.2f}  "
+              f"BCR {r['bcr']['market']:.1f} req/$" + spread)
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=2))
+    print(_json_line(out))
+    return 0
+
+
 def _run_simulate(args: argparse.Namespace) -> int:
     import dataclasses
+
+    if args.capacity_of:
+        return _run_blind(args)
 
     modes = sum(bool(x) for x in (args.trace, args.rate is not None, args.bathtub, args.tail_curve))
     if modes > 1:

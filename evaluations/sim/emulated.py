@@ -34,7 +34,11 @@ from pdd_serve.emulation.pacer import build_emulation, merge_stats
 
 SCENARIO_DIR = Path(__file__).resolve().parents[1] / "scenarios"  # evaluations/scenarios, not sim/scenarios
 ENGINE_DEPLOYMENTS = {"prefill": "Prefill", "relay": "Relay", "main_decode": "MainDecode"}
-_KEYS = {"name", "description", "time_scale", "model", "chips", "link", "sla", "workload", "relay_cost_fraction"}
+_KEYS = {"name", "description", "time_scale", "model", "chips", "link", "sla", "workload", "capacity"}
+# a report-scale relay is shared by many prefill instances, but this deployment rents its relay
+# replica whole, and BCR prices what is deployed (issue 40)
+_REMOVED = {"relay_cost_fraction": "every replica is priced whole now; to amortise a relay, deploy N Prefill : 1 Relay "
+                                   "(sites.prefill_replicas) and it is priced as deployed"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,10 +47,8 @@ class EmulatedScenario(BaseScenario):
     chips: dict[str, dict[str, dict[str, Any]]]  # graph -> site -> {chip, tp}: each graph's `emulate:`
     link: dict[str, Any]
     workload: dict[str, Any] = field(default_factory=dict)
-    # the share of a relay replica's chips this deployment pays for: at the report's scale 3 relay
-    # instances serve 40 prefill instances, so a 1-prefill deployment needs ~3/40 of one; 1.0 prices
-    # the relay replica whole (what this small deployment rents)
-    relay_cost_fraction: float = 1.0
+    # the capacity search's knobs (evaluations/capacity_compare.py): requests per probe, ...
+    capacity: dict[str, Any] = field(default_factory=dict)
 
     def emulate_block(self, graph: str) -> dict[str, Any]:
         """The `emulate:` mapping a graph is deployed with (beside it, the graph-wide `time_scale`)."""
@@ -58,7 +60,14 @@ class EmulatedScenario(BaseScenario):
     def params(self) -> dict[str, Any]:
         return {"emulated": True, "scenario": self.name, "time_scale": self.time_scale,
                 "emulate.model": self.model.name, "emulate.chips": json.dumps(self.chips, sort_keys=True),
-                "relay_cost_fraction": self.relay_cost_fraction}
+                "priced": "every replica whole, and the line"}
+
+    def relative_prices(self, b_over_a: float) -> dict[str, float]:
+        """The report's relative price (docs/pdd.md: B costs 20-30% more than A): PDD's site-b chip
+        at `b_over_a` x its site-a chip's catalog price, every other chip at its own."""
+        pdd = self.chips.get("pdd") or next(iter(self.chips.values()))
+        a, b = pdd["a"]["chip"], pdd["b"]["chip"]
+        return {b: b_over_a * costmodel.load_catalog().chip(a).price_per_hour}
 
 
 def load_scenario(name_or_path: str | Path) -> EmulatedScenario:
@@ -67,6 +76,9 @@ def load_scenario(name_or_path: str | Path) -> EmulatedScenario:
     for k in ("time_scale", "model", "chips", "link", "sla"):
         if k not in doc:
             raise ScenarioError(f"{p}: {k}: required")
+    for k, why in _REMOVED.items():
+        if k in doc:
+            raise ScenarioError(f"{p}: {k}: removed: {why}")
     unknown = set(doc) - _KEYS
     if unknown:
         raise ScenarioError(f"{p}: {sorted(unknown)[0]}: unknown key; valid: {', '.join(sorted(_KEYS))}")
@@ -77,9 +89,8 @@ def load_scenario(name_or_path: str | Path) -> EmulatedScenario:
     if not isinstance(doc["model"], str):  # each graph's emulate: names it
         raise ScenarioError(f"{p}: model: must name a model shape of {costmodel.CATALOG_PATH}")
     model = scenario_model(doc["model"], p, costmodel.load_catalog())
-    frac = doc.get("relay_cost_fraction", 1.0)
-    if not isinstance(frac, (int, float)) or not 0 < frac <= 1:
-        raise ScenarioError(f"{p}: relay_cost_fraction: must be in (0, 1], got {frac!r}")
+    if not isinstance(doc.get("capacity") or {}, dict):
+        raise ScenarioError(f"{p}: capacity: must be a mapping (requests, start_rps, ...)")
     if not isinstance(doc["sla"], dict):
         raise ScenarioError(f"{p}: sla: must be a mapping (ttft_s, tpot_s)")
     for k in ("ttft_s", "tpot_s"):  # no silent defaults: the SLA is what the comparison is judged by
@@ -92,7 +103,7 @@ def load_scenario(name_or_path: str | Path) -> EmulatedScenario:
     return EmulatedScenario(name=str(doc.get("name", p.stem)), path=str(p), model=model, sla=sla,
                             description=str(doc.get("description", "")).strip(), time_scale=float(ts),
                             chips=doc["chips"], link=dict(doc["link"]), workload=dict(doc.get("workload") or {}),
-                            relay_cost_fraction=float(frac))
+                            capacity=dict(doc.get("capacity") or {}))
 
 
 def role_chips(cfg: PDDConfig) -> dict[str, str]:
@@ -100,15 +111,18 @@ def role_chips(cfg: PDDConfig) -> dict[str, str]:
     return {r: f"{e.tp} x {e.chip.name}" for r in cfg.engine_roles() if (e := build_emulation(cfg, r)) is not None}
 
 
-def cost_per_hour(cfg: PDDConfig, relay_fraction: float = 1.0) -> float:
-    """The emulated chips a graph rents per hour: replicas x tp x the chip's price, per role, the
-    relay's times `relay_fraction` (the Routers are CPU frontends and are not counted, as in
-    `pdd compare`'s BCR)."""
+def cost_per_hour(cfg: PDDConfig, prices: Mapping[str, float] | None = None) -> float:
+    """What a graph rents per hour on its emulated chips: every replica whole (replicas x tp x the
+    chip's price, per role) and the inter-DC line when Prefill and Main decode are at different
+    sites (the catalog's `links.cross_dc`). `prices`: chip name -> price per chip-hour over the
+    catalog's (the report's relative prices). The Routers are CPU frontends and are not counted."""
+    prices = prices or {}
+    cat = costmodel.load_catalog()
     total = 0.0
     for role in cfg.engine_roles():
         e = build_emulation(cfg, role)
-        total += _replicas(cfg, role) * e.tp * e.chip.price_per_hour * (relay_fraction if role == "relay" else 1.0)
-    return total
+        total += _replicas(cfg, role) * e.tp * prices.get(e.chip.name, e.chip.price_per_hour)
+    return total + cat.link_price(cfg.sites.prefill != cfg.sites.main_decode)
 
 
 def pacer_stats_of_running_graph(app: str, denv: Mapping[str, str], timeout_s: float = 120.0) -> dict[str, Any]:
@@ -244,7 +258,8 @@ def sim_scenario_doc(sc: EmulatedScenario, graphs: list[Any]) -> dict[str, Any]:
     bs = first.model.block_size
     unit_blocks = min(fl.batch_blocks, max(1, PREFILL_CHUNK_TOKENS // bs))
     link.update(scale_to_model=False, per_prefill_bucket=True, streams=fl.streams,
-                stream_unit_bytes=unit_blocks * bs * shape.kv_bytes_per_token)
+                stream_unit_bytes=unit_blocks * bs * shape.kv_bytes_per_token,
+                price_per_hour=costmodel.load_catalog().link_price(True))  # priced as cost_per_hour prices it
     return {
         "name": f"{sc.name} (simulated)",
         "model": model,

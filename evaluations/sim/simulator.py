@@ -463,7 +463,7 @@ class Simulation:
         md = self.mds[r.md]
         md.assigned -= 1
         if cache and self.drc:
-            self._cache_insert(md, r.blocks)
+            self._cache_insert(md, r.decoded_blocks or r.blocks)
 
     def _extend_cost(self, md: DecodeInstance, tokens: int, ctx: int) -> float:
         return prefill_time(md.chip, self.model, md.n, [(max(1, tokens), ctx)])

@@ -35,6 +35,8 @@ class SimRequest:
     # closed-loop sessions (a recorded run's later turns): sent `think_s` after request `after` ends
     after: int = -1
     think_s: float = 0.0
+    # what a decoder caches when it is done (prompt + answer blocks); empty: the prompt's blocks
+    decoded_blocks: tuple[int, ...] = ()
     # ---- outcome, filled by the simulator
     pipeline: str = ""
     reason: str = ""

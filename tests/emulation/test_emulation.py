@@ -364,16 +364,20 @@ def test_the_simulator_reads_the_same_scenario(tmp_path) -> None:
     assert sim.links[pdd.link].cross_site and not sim.links[sim.deployments["pd_same_dc"].link].cross_site
 
 
-def test_relay_cost_fraction_prices_a_share_of_the_relay(tmp_path) -> None:
+def test_every_replica_is_priced_whole_with_the_line(tmp_path) -> None:
     from evaluations.sim.emulated import ScenarioError, cost_per_hour, load_scenario
+    from pdd_serve.emulation.costmodel import load_catalog
 
     cfg = load_config(_cross())
-    whole, share = cost_per_hour(cfg), cost_per_hour(cfg, 0.075)
-    assert whole - share == pytest.approx(0.925 * 4 * 3.0)  # the relay: 4 x h100-sxm at 3.0 $/h
+    line = load_catalog().link_price(True)
+    assert line > 0  # the report counts its inter-DC line; so do we
+    # prefill and relay: 4 x h100-sxm at 3.0 $/h each, whole; main decode 8 x h20 at 1.3 $/h
+    assert cost_per_hour(cfg) == pytest.approx(2 * 4 * 3.0 + 8 * 1.3 + line)
+    sc = load_scenario("emulated_70b")
+    assert cost_per_hour(cfg, sc.relative_prices(1.2)) == pytest.approx(2 * 4 * 3.0 + 8 * 1.2 * 3.0 + line)
     bad = tmp_path / "bad.yaml"
-    bad.write_text((load_scenario("emulated_70b").path and open(load_scenario("emulated_70b").path).read())
-                   + "relay_cost_fraction: 0\n")
-    with pytest.raises(ScenarioError, match="relay_cost_fraction"):
+    bad.write_text(open(sc.path).read() + "relay_cost_fraction: 0.075\n")
+    with pytest.raises(ScenarioError, match="relay_cost_fraction: removed: every replica is priced whole"):
         load_scenario(bad)
 
 
@@ -495,7 +499,7 @@ def test_the_emulated_compare_reads_its_runs_back_offline(tmp_path) -> None:
         summaries[n].update(extra)
     head = emulated_headline(results, summaries, cfg)
     assert head["emulated"] and head["repeats"] == 2 and head["p90_ttft_vs_cross_dc_spread"] is not None
-    assert head["bcr_gain_vs_same_dc_whole_relay"] < head["bcr_gain_vs_same_dc"]  # the whole relay costs more
+    assert head["priced"] == "every replica whole, and the line" and "bcr_gain_vs_same_dc_whole_relay" not in head
     rows = [row for r in results.values() for row in r.rows()]
     assert {row["link_seed"] for row in rows if row["graph"] == PDD} == {link_seed(for_repeat(results[PDD].graph, 0)),
                                                                         link_seed(for_repeat(results[PDD].graph, 1))}
