@@ -316,7 +316,7 @@ def capacity_headline(sc: Any, out: Mapping[str, GraphProbes], predicted: Mappin
     predicted (default: the probed ones), whose blind BCR gains are priced the same way."""
     from evaluations.sim.blind import rel_err_to_bracket
     from evaluations.sim.emulated import cost_per_hour, role_chips
-    from pdd_serve.emulation.pacer import build_emulation, merge_stats
+    from pdd_serve.emulation.pacer import PACED_KINDS, build_emulation, merge_stats
 
     prices = {"market": {}, **{f"b_{r:g}x_a": sc.relative_prices(r) for r in RELATIVE_PRICES}}
     h: dict[str, Any] = {"emulated": True, "scenario": sc.name, "time_scale": sc.time_scale, "context_scale": 1,
@@ -383,17 +383,28 @@ def capacity_headline(sc: Any, out: Mapping[str, GraphProbes], predicted: Mappin
     if p:
         h["rld_token_share"] = summarize_run([r for rs in p.records.values() for r in rs], sc.sla)["rld_token_share"]
     stats = merge_stats([gp.pacer["all"] for gp in out.values() if "all" in gp.pacer])
-    for kind in ("prefill", "decode"):
-        h[f"emulation_overrun_share_{kind}"] = stats.get(f"overrun_share_{kind}")
-    # not measured yet (issue 40, item 4): import/export overrun and the unpaced host work
-    for kind in ("import", "export"):
-        h[f"emulation_overrun_share_{kind}"] = None
-    h["unpaced_engine_share"] = None
-    h["object_store_bytes_per_request"] = None
+    known = bool(stats) and all("all" in gp.pacer for gp in out.values())
+    for kind in PACED_KINDS:  # over whole engine calls; imports and exports at the NIC's rate
+        h[f"emulation_overrun_share_{kind}"] = stats.get(f"overrun_share_{kind}") if known else None
+        h[f"emulation_{kind}_calls"] = stats.get(f"{kind}_steps") if known else None
+    h["unpaced_engine_share"] = stats.get("unpaced_engine_share") if known else None
+    # the prompt KV Prefill put into the object store for a relay, per request, by pipeline (emulated bytes)
+    h["object_store_bytes_per_request"] = {
+        name: {pipe: sum(v) / len(v) for pipe, v in _by_pipeline(gp, "relay_kv_bytes").items()}
+        for name, gp in out.items()}
     h["outputs_identical"] = answered > 0 and not any(v["mismatched"] for v in per.values())
     h["errors"] = errors
     h["report_margins"] = REPORT_MARGINS
     return {k: _round(v) for k, v in h.items()}
+
+
+def _by_pipeline(gp: GraphProbes, key: str) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for recs in gp.records.values():
+        for r in recs:
+            if not r.error:
+                out.setdefault(r.pdd.get("pipeline") or "?", []).append(int(r.pdd.get(key) or 0))
+    return out
 
 
 def _round(v: Any) -> Any:

@@ -316,7 +316,7 @@ def emulated_headline(results: Mapping[str, GraphResult], summaries: Mapping[str
     its spread, BCR on the emulated chips' prices, and the pacers' overrun per step kind."""
 
     from evaluations.sim.emulated import cost_per_hour, ratio, repeat_ratios, role_chips, spread
-    from pdd_serve.emulation.pacer import OVERRUN_WARN_SHARE, merge_stats, overrun_warning
+    from pdd_serve.emulation.pacer import OVERRUN_WARN_SHARE, PACED_KINDS, merge_stats, overrun_warning
 
     sc = cfg.emulate
     for name, res in results.items():
@@ -348,9 +348,10 @@ def emulated_headline(results: Mapping[str, GraphResult], summaries: Mapping[str
         out[f"{k}_spread"] = spread(vs)
         out[f"{k}_per_repeat"] = vals
     stats = merge_stats([p["all"] for r in results.values() for p in r.pacer if "all" in p])
-    for kind in ("prefill", "decode"):
+    for kind in PACED_KINDS:  # whole engine calls per kind; KV imports/exports at the NIC's rate
         out[f"emulation_overrun_share_{kind}"] = stats.get(f"overrun_share_{kind}")
         out[f"emulation_{kind}_steps"] = stats.get(f"{kind}_steps")
+    out["unpaced_engine_share"] = stats.get("unpaced_engine_share")
     # a run whose counts could not be read (or a replica whose counts were lost) is unknown, not fine
     runs = sum(len(r.runs) for r in results.values())
     read = sum(1 for r in results.values() for p in r.pacer if "all" in p)
@@ -359,7 +360,7 @@ def emulated_headline(results: Mapping[str, GraphResult], summaries: Mapping[str
     out["emulation_replicas_lost"] = lost
     known = read == runs and not lost and stats.get("decode_steps")
     out["emulation_overrun_ok"] = (all((stats.get(f"overrun_share_{k}") or 0) <= OVERRUN_WARN_SHARE
-                                       for k in ("prefill", "decode")) if known else None)
+                                       for k in PACED_KINDS) if known else None)
     if not known:
         log_err(f"WARNING: the overrun of {runs - read} run(s) and {lost} replica(s) could not be read: "
                 "emulation_overrun_ok is unknown")

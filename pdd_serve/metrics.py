@@ -135,7 +135,9 @@ class ReplicaGauges:
             self._mismatches_seen = seen
         emu = extra.get("emulation")
         if emu:
-            for kind in ("prefill", "decode"):
+            from pdd_serve.emulation.pacer import PACED_KINDS
+
+            for kind in PACED_KINDS:  # the forwards, and KV imports and exports
                 tags = {"role": self.role, "kind": kind}
                 self.overrun.set(emu.get(f"overrun_share_{kind}", 0.0), tags=tags)
                 self.steps.set(emu.get(f"{kind}_steps", 0), tags=tags)

@@ -103,6 +103,9 @@ class SchedulerSpec:
     decode_max_batch: int = 256
     mem_reserve_fraction: float = 0.1  # HBM kept for activations, graphs, fragmentation
     prefix_cache_gb: float = 1000.0  # per P / MD instance (HBM + host pool), for the radix caches
+    # one role's own (None: prefix_cache_gb): an emulated graph's pools follow each role's chips
+    prefix_cache_gb_prefill: float | None = None
+    prefix_cache_gb_main_decode: float | None = None
     cache_slack: float = 0.05  # evict in bulk down to (1 - slack) once (1 + slack) is reached
     # the platform, not the chip: control-plane time before a request reaches P (router RPCs, HTTP),
     # and a factor on every forward's time (compute shared with other processes)
@@ -122,6 +125,8 @@ class SchedulerSpec:
         _check(isinstance(self.decode_max_batch, int) and self.decode_max_batch > 0, "decode_max_batch", "must be > 0")
         _check(0 <= self.mem_reserve_fraction < 1, "mem_reserve_fraction", "must be in [0, 1)")
         _check(self.prefix_cache_gb >= 0, "prefix_cache_gb", "must be >= 0")
+        for f in ("prefix_cache_gb_prefill", "prefix_cache_gb_main_decode"):
+            _check(getattr(self, f) is None or getattr(self, f) >= 0, f, "must be >= 0 or null")
         _check(0 <= self.cache_slack < 0.5, "cache_slack", "must be in [0, 0.5)")
         _check(self.request_overhead_s >= 0, "request_overhead_s", "must be >= 0")
         _check(positive(self.compute_slowdown), "compute_slowdown", "must be > 0")

@@ -223,8 +223,8 @@ def sim_scenario_doc(sc: EmulatedScenario, graphs: list[Any]) -> dict[str, Any]:
     """The same scenario as the simulator reads it (evaluations/sim/config.py's schema): the
     emulated model, chips of the one catalog by name, each graph's deployment with its policy and
     replicas x tp chips, the scenario's link, SLA and pdd_serve's scheduler (one request per
-    prefill forward in 256-token chunks, decode batch `max_batch`, the real pool's prefix cache
-    at the emulated KV size). `graphs`: the prepared graphs (evaluations.harness.PreparedGraph)."""
+    prefill forward in 256-token chunks, decode batch `max_batch`, each role's prefix cache half
+    the pool its emulated chips hold, as the engines size it). `graphs`: the prepared graphs (evaluations.harness.PreparedGraph)."""
     import dataclasses
 
     from pdd_serve.serve.prefill import PREFILL_CHUNK_TOKENS
@@ -233,9 +233,16 @@ def sim_scenario_doc(sc: EmulatedScenario, graphs: list[Any]) -> dict[str, Any]:
     model = {k: v for k, v in dataclasses.asdict(shape).items() if k not in ("name",) and v is not None}
     model["name"] = shape.name
     first = graphs[0].cfg
-    m = first.engine_for("prefill")
-    real_bpt = real_kv_bytes_per_token(m)  # the real pool's tokens set the prefix cache's size
-    prefix_tokens = (m.kv_cache_bytes // 2 if m.prefix_cache_bytes is None else m.prefix_cache_bytes) / real_bpt
+    real_bpt = real_kv_bytes_per_token(first.engine_for("prefill"))
+
+    def prefix_gb(role: str) -> float:
+        """A role's prefix cache as its engine sizes it (serve/common.load_engine): half the pool
+        the emulated chips hold, or the graph's prefix_cache_bytes (real bytes) when smaller."""
+        m, e = first.engine_for(role), build_emulation(first, role)
+        tokens = e.kv_capacity_tokens // 2
+        if m.prefix_cache_bytes is not None:
+            tokens = min(tokens, m.prefix_cache_bytes // real_bpt)
+        return tokens * shape.kv_bytes_per_token / 1e9
     deployments: dict[str, Any] = {}
     for g in graphs:
         cfg = g.cfg
@@ -269,7 +276,8 @@ def sim_scenario_doc(sc: EmulatedScenario, graphs: list[Any]) -> dict[str, Any]:
         "scheduler": {"prefill_chunk_tokens": PREFILL_CHUNK_TOKENS, "prefill_batch_requests": False,
                       "tail_chunk": "packed", "decode_max_batch": first.engine_for("main_decode").max_batch,
                       "mem_reserve_fraction": MEM_RESERVE_FRACTION,
-                      "prefix_cache_gb": prefix_tokens * shape.kv_bytes_per_token / 1e9},
+                      "prefix_cache_gb": prefix_gb("main_decode"), "prefix_cache_gb_prefill": prefix_gb("prefill"),
+                      "prefix_cache_gb_main_decode": prefix_gb("main_decode")},
         "links": {"same_dc": {"preset": "same_dc"}, "wan": link},
         "deployments": deployments,
     }

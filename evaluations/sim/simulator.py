@@ -111,6 +111,8 @@ class Simulation:
         self.kv_floor: dict[int, float] = {}  # rid -> the earliest its KV can land (P done, stream not)
         self.kv_wait: dict[int, list[float]] = {}  # rid -> [transfers still crossing, latest landing]
         cache_bytes = sched.prefix_cache_gb * 1e9
+        p_bytes, md_bytes = (cache_bytes if v is None else v * 1e9
+                             for v in (sched.prefix_cache_gb_prefill, sched.prefix_cache_gb_main_decode))
 
         def cache() -> RadixCache:
             return RadixCache(self.bs, self.block_bytes, _NO_EVICT)
@@ -120,7 +122,7 @@ class Simulation:
         dchips = {n: dataclasses.replace(c, forward_overhead_ms=c.forward_overhead_ms + sched.decode_step_overhead_ms)
                   for n, c in chips.items()}  # decoders pay the serving loop's per-step overhead too
         rp, rm = roles["prefill"], roles["main_decode"]
-        self.ps = [PrefillInstance(self, i, chips[rp.chip], rp.chips_per_instance, cache(), cache_bytes)
+        self.ps = [PrefillInstance(self, i, chips[rp.chip], rp.chips_per_instance, cache(), p_bytes)
                    for i in range(rp.instances)]
         if self.link is not None and ls.per_prefill_bucket:
             for p in self.ps:  # one pacer (one LinkModel) per Prefill replica, as serve/prefill.py has
@@ -133,7 +135,7 @@ class Simulation:
         self.drc_logs = [DRCLog(self) for _ in range(rm.instances)] if self.drc else []
         self.mds = [DecodeInstance(self, i, "main_decode", dchips[rm.chip], rm.chips_per_instance, sched.decode_max_batch,
                                    RadixCache(self.bs, self.block_bytes, _NO_EVICT, self.drc_logs[i].on_evict)
-                                   if self.drc else None, cache_bytes) for i in range(rm.instances)]
+                                   if self.drc else None, md_bytes) for i in range(rm.instances)]
         rr = roles.get("relay")
         self.relays = ([DecodeInstance(self, i, "relay", dchips[rr.chip], rr.chips_per_instance, sched.decode_max_batch)
                         for i in range(rr.instances)] if rr is not None else [])

@@ -10,6 +10,7 @@ estimate and the Flight stream speak.
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field
 
@@ -195,6 +196,16 @@ def concat_blocks(runs: list[KVBlocks]) -> KVBlocks:
 # ---------------------------------------------------------------- the block pool
 
 
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.Tensor:
+    """Zeroed memory for a KV pool. On the CPU it comes from calloc (through numpy), whose pages the
+    OS maps on first touch: a pool sized to an emulated chip's HBM costs real memory only for the
+    blocks it fills, and still reads as zeros everywhere (torch.zeros writes every page at once)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 class BlockPool:
     """All KV memory of one engine: `[num_blocks, *block_shape]` plus reference counts.
 
@@ -212,7 +223,7 @@ class BlockPool:
             raise KVError("the KV pool needs at least one block; raise kv_cache_bytes")
         self.layout = layout
         self.num_blocks = num_blocks
-        self.data = torch.zeros((num_blocks, *layout.block_shape), dtype=layout.torch_dtype, device=device)
+        self.data = lazy_zeros((num_blocks, *layout.block_shape), layout.torch_dtype, device)
         self.refcount = [0] * num_blocks
         self.tags = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))

@@ -19,6 +19,12 @@ logger = logging.getLogger("pdd_serve")
 SITE_LABEL = "pdd.site"
 
 
+def host_memory_bytes() -> int:
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def load_engine(model: ModelConfig, enable_prefix_cache: bool = True, threads: int = 1, *,
                 emulation: Emulation | None = None, clock: Clock) -> EngineBackend:
     """Each replica gets a thread budget: several replicas share few cores on one machine.
@@ -27,9 +33,10 @@ def load_engine(model: ModelConfig, enable_prefix_cache: bool = True, threads: i
     graph sets it (`model.threads` or `engines.<role|site>.threads`), wins over the role's default.
     With an `emulation` (`emulation.pacer.build_emulation(cfg, role)`) every forward is paced to the
     emulated chip on the graph's `clock` (slow motion; no default, so no role paces at one scale
-    while its link runs at another), and the KV pool holds what the emulated chips hold (in real
-    blocks of the small model), capped by `kv_cache_bytes`: nothing allocates gigabytes because a
-    chip has them."""
+    while its link runs at another), and the KV pool holds what the emulated chips hold, (HBM x chips
+    - weights) / emulated KV per token, in real blocks of the small model. The torch engine's pool is
+    mapped on first touch (engine/kv.lazy_zeros), so only the blocks a run fills cost memory; it is
+    capped at half this host's memory, and vLLM's (allocated whole) at `kv_cache_bytes`."""
     import torch
 
     from pdd_serve.checkpoints import resolve_model
@@ -46,13 +53,13 @@ def load_engine(model: ModelConfig, enable_prefix_cache: bool = True, threads: i
         real = KVLayout(a.num_layers, a.num_kv_heads, a.head_dim, model.block_size,
                         dtype_name(getattr(torch, model.kv_dtype))).bytes_per_token
         emulated = emulation.kv_capacity_tokens * real
-        if emulated < kv_bytes:
-            kv_bytes = emulated
-            prefix_bytes = None if prefix_bytes is None else min(prefix_bytes, kv_bytes)
-        else:
-            logger.warning("emulated KV capacity %d tokens (%s) exceeds the real pool (kv_cache_bytes %d): "
-                           "admission sees the real pool's %d tokens", emulation.kv_capacity_tokens,
-                           emulation.label(), kv_bytes, kv_bytes // real)
+        limit = kv_bytes if model.backend == "vllm" else host_memory_bytes() // 2
+        if emulated > limit:
+            logger.warning("emulated KV capacity %d tokens (%s) exceeds what this host can back (%d bytes): "
+                           "admission sees %d tokens", emulation.kv_capacity_tokens, emulation.label(), limit,
+                           limit // real)
+        kv_bytes = min(emulated, limit)
+        prefix_bytes = None if prefix_bytes is None else min(prefix_bytes, kv_bytes)
     engine: EngineBackend
     if model.backend == "vllm":
         import os

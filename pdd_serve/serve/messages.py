@@ -118,6 +118,8 @@ class PrefillResult:
     # the replica's link clock (emulated seconds since its pacer was made) when the call arrived:
     # where in the line's jitter the request fell, so the simulator can replay the same draw
     link_t_s: float | None = None
+    # emulated bytes of the prompt's KV put into the object store for the relay (0: none exported)
+    relay_kv_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -189,6 +189,7 @@ class Orchestrator:
             if pre.link_bps:  # Prefill's live view of the line
                 self.link = replace(self.link, bandwidth_bps=pre.link_bps / 8)
             info.wan_bytes, info.link_t_s = pre.wan_bytes, pre.link_t_s
+            info.relay_kv_bytes += pre.relay_kv_bytes
             st.committed.append(pre.first_token)
             # P->MD streams from MD, as a PD system does: the first token leaves with MD's first
             # chunk, once MD holds the KV (policy.stream_first_token: send P's token at once instead).

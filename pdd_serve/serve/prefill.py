@@ -283,8 +283,9 @@ class Prefill:
         finally:
             self.prefilling -= 1
         wan = int(feed.nbytes * self.kv_scale) if feed is not None else 0
+        relay_bytes = int(kv.num_tokens * self.engine.layout.bytes_per_token * self.kv_scale) if kv is not None else 0
         return PrefillResult(first, finish, seq.prefix_hit_tokens, self.clock.emulated(time.perf_counter() - t0),
-                             wan, kv_ref, self.bw.bps, link_t)
+                             wan, kv_ref, self.bw.bps, link_t, relay_bytes)
 
     def _reserve_send(self, req: GenRequest, target: KVTarget | None) -> int:
         """Count the KV this request will put on the line against the replica's send buffer, or

@@ -101,6 +101,7 @@ class PDDInfo:
     eager_tokens: int = 0  # tokens the client got from RLD
     md_tokens: int = 0
     wan_bytes: int = 0
+    relay_kv_bytes: int = 0  # the prompt's KV put into the object store for the relay (emulated bytes)
     md_replica: MDKey | None = None
     prefix_hit_p: float = 0.0
     prefix_hit_md: float = 0.0

@@ -208,9 +208,83 @@ def test_paced_engine_holds_each_chunk_before_its_blocks_leave_and_counts_per_ki
     eng.block_size = 32  # any other attribute is the engine's
     assert fake.block_size == 32
     st = eng.pacer.stats()
-    assert (st["prefill_steps"], st["prefill_overruns"]) == (4, 0)
+    assert (st["prefill_steps"], st["prefill_overruns"]) == (3, 0)  # the chunks; the resume is the step's
     assert (st["decode_steps"], st["decode_overruns"]) == (1, 1)  # 0.5 s real vs a few ms modeled x 10
-    assert st["decode_modeled_s"] == pytest.approx(emu.decode_s(2, 500))
+    assert st["decode_modeled_s"] == pytest.approx(emu.decode_s(2, 500) + emu.prefill_s(40, 0))
+
+
+class _HostEngine(_FakeEngine):
+    """Forwards that fit their modeled time, but host work around them that does not; and KV copies."""
+
+    def step(self, seqs):  # noqa: ANN001, ANN201
+        self.clk.t += 0.001
+        self.on_forward(self.W("decode", 1, 1, 100, 0.001))
+        self.clk.t += 0.3  # sampling, bookkeeping: no cost model knows it
+        return [(s, 1) for s in seqs]
+
+    def export_kv(self, seq, start_block=0, end_block=None):  # noqa: ANN001, ANN201
+        from types import SimpleNamespace
+
+        self.clk.t += 0.002
+        return SimpleNamespace(num_tokens=16 * ((end_block or 64) - start_block))
+
+    def import_kv(self, seq, blocks, verify=True):  # noqa: ANN001, ANN201
+        self.clk.t += 0.002
+
+    def match_prefix(self, seq):  # noqa: ANN001, ANN201
+        self.clk.t += 0.01
+        return 3
+
+
+def test_overrun_is_counted_over_the_whole_call_not_only_its_forwards() -> None:
+    from pdd_serve.emulation.pacer import PacedEngine
+
+    clk = FakeClock()
+    emu = Emulation(H100, L70, 8)
+    eng = PacedEngine(_HostEngine(clk), StepPacer(emu, Clock(10), timer=clk, sleep=clk.sleep))
+    eng.step(["a"])  # its forward: 1 ms real against ~10 ms x 10 modeled; the call: 301 ms
+    st = eng.pacer.stats()
+    assert emu.decode_s(1, 100) * 10 < 0.301  # the forward alone fit; the call did not
+    assert (st["decode_steps"], st["decode_overruns"]) == (1, 1)
+    assert st["decode_overrun_s"] == pytest.approx(0.301 - emu.decode_s(1, 100) * 10)
+
+
+def test_kv_imports_and_exports_are_paced_at_the_nic_and_counted_per_kind() -> None:
+    import threading
+
+    from pdd_serve.emulation.pacer import PacedEngine
+
+    clk = FakeClock()
+    emu = Emulation(H100, L70, 8)
+    fake = _HostEngine(clk)
+    eng = PacedEngine(fake, StepPacer(emu, Clock(10), timer=clk, sleep=clk.sleep))
+    t = clk.t
+    eng.export_kv("seq", 0, 64)  # 1,024 tokens x 320 KiB at one H100's 50 GB/s NIC, x10
+    copy = emu.copy_s(1024)
+    assert copy == pytest.approx(1024 * L70.kv_bytes_per_token / (H100.interconnect_gb_s * 1e9))
+    assert clk.t - t == pytest.approx(copy * 10)
+    blocks = fake.export_kv("seq", 0, 8)
+    t = clk.t
+    eng.import_kv("seq", blocks)
+    assert clk.t - t == pytest.approx(emu.copy_s(128) * 10)
+    st = eng.pacer.stats()
+    assert (st["export_steps"], st["import_steps"]) == (1, 1) and st["export_overruns"] == 0
+    # a chunk's blocks handed to the sender inside a prefill overlap its compute: not held, not
+    # counted against the chunk, reported as unpaced host work
+    eng.prefill("seq", chunk_tokens=100, on_chunk=lambda s: eng.export_kv(s, 0, 8))
+    st = eng.pacer.stats()
+    assert st["export_steps"] == 1 and st["prefill_overruns"] == 0 and st["unpaced_s"] == pytest.approx(3 * 0.002)
+    # other engine calls on the engine thread are unpaced host work too; from the event loop, not the engine's
+    assert eng.match_prefix("seq") == 3 and eng.pacer.stats()["unpaced_s"] == pytest.approx(0.006)
+    done = []
+    th = threading.Thread(target=lambda: done.append(eng.match_prefix("seq")), name="pdd-engine_0")
+    th.start()
+    th.join()
+    st = eng.pacer.stats()
+    assert done == [3] and st["unpaced_s"] == pytest.approx(0.016)
+    merged = merge_stats([st])
+    paced = sum(st[f"{k}_real_s"] for k in ("prefill", "decode", "import", "export"))
+    assert merged["unpaced_engine_share"] == pytest.approx(0.016 / (0.016 + paced))
 
 
 # ---------------------------------------------------------------- slow motion and emulated bytes
@@ -536,3 +610,42 @@ def test_the_emulated_compare_is_told_the_command_line_that_ran_it(monkeypatch) 
     argv = ["compare", "--emulate", "emulated_70b", "--repeats", "2", "--naive-once", "--no-mlflow"]
     assert cli.main(argv) == 0
     assert seen["command"] == "pdd compare --emulate emulated_70b --repeats 2 --naive-once --no-mlflow"
+
+
+# ---------------------------------------------------------------- pools sized by the emulated chips
+
+
+def _rss_bytes() -> int:
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_each_role_pool_is_what_its_emulated_chips_hold_and_costs_only_what_it_fills(model_dir) -> None:
+    """(HBM x chips - weights) / emulated KV per token, per role, in real blocks; the real memory is
+    mapped on first touch, so a 70B's pool on 8 x H20 doesn't cost this host its gigabytes."""
+    from pdd_serve.checkpoints import resolve_model
+    from pdd_serve.engine.engine import Engine
+    from pdd_serve.engine.sampling import SamplingParams
+    from pdd_serve.serve.common import load_engine
+
+    cfg = load_config({**_cross(), "model": {"path": str(model_dir)}})
+    for role in ("prefill", "main_decode"):
+        emu = build_emulation(cfg, role)
+        before = _rss_bytes()
+        eng = load_engine(cfg.engine_for(role), emulation=emu, clock=Clock(cfg.time_scale))
+        inner = eng.inner
+        assert inner.pool.num_blocks == emu.kv_capacity_tokens * inner.layout.bytes_per_token // inner.layout.block_bytes
+        if role == "main_decode":  # 8 x H20: past the 256 MiB default (kv_cache_bytes), yet mapped, not touched
+            assert inner.pool.data.nbytes > 256 << 20
+            assert _rss_bytes() - before < inner.pool.data.nbytes // 4
+        assert float(inner.pool.data[-1].abs().sum()) == 0.0  # and reads as zeros
+    # the tokens are the engine's own with a lazily mapped pool
+    ref = Engine.from_pretrained(resolve_model(str(model_dir)))
+    prompt = [(i * 5 + 3) % 400 + 10 for i in range(40)]
+    seq = inner.add("r", prompt, SamplingParams(6))
+    inner.prefill(seq)
+    while not seq.finished:
+        inner.step([seq])
+    assert seq.output_ids == ref.generate(prompt, 6)

@@ -315,6 +315,34 @@ def test_prefill_puts_the_relays_kv_in_the_object_store_off_the_event_loop(cfg, 
     assert not on_loop and name != threading.main_thread().name, put.calls
 
 
+def test_a_relay_export_is_paced_counted_and_reported_and_a_plain_p_md_makes_none(cfg, monkeypatch) -> None:
+    """Late relay exports the whole prompt's KV for the relay on a P->MD request that may still
+    switch: on an emulated chip that copy is held at the NIC's rate and counted as an export, and
+    the request reports its object-store bytes. A prefill for P->MD alone exports nothing."""
+    import dataclasses
+
+    from pdd_serve.config import load_config
+    from pdd_serve.serve.messages import PrefillRequest
+    from pdd_serve.serve.prefill import Prefill
+    from pdd_serve.transport import object_store
+
+    monkeypatch.setattr(object_store, "put_kv", lambda kv: object())  # no object store here
+    emu = load_config({"emulate": {"model": "llama-3-70b", "chip": "h100-sxm", "tp": 4}, "time_scale": 0.01}).emulate
+    ecfg = dataclasses.replace(cfg, emulate=emu, time_scale=0.01)
+    prefill = Prefill.func_or_class(ecfg)
+    try:
+        plain = asyncio.run(prefill.prefill(PrefillRequest(prompt_request("plain"), to_relay=False, md_target=None)))
+        assert plain.relay_kv_bytes == 0 and prefill.engine.pacer.stats()["export_steps"] == 0
+        req = prompt_request("late")
+        res = asyncio.run(prefill.prefill(PrefillRequest(req, to_relay=True, md_target=None)))
+    finally:
+        prefill.worker._exec.shutdown(wait=True)
+    st = prefill.engine.pacer.stats()
+    assert st["export_steps"] == 1 and st["export_modeled_s"] > 0
+    # the prompt's KV at the emulated model's 320 KiB per token
+    assert res.relay_kv_bytes == len(req.prompt_token_ids) * 327_680
+
+
 def test_router_parses_and_tokenizes_off_the_event_loop_on_one_thread(cfg, monkeypatch: pytest.MonkeyPatch) -> None:
     """Parsing and tokenizing a large body takes a while: not on the Router's event loop, where
     every stream waits meanwhile, and always on the same one thread (a fast tokenizer used from two
