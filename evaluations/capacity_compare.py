@@ -434,13 +434,21 @@ def capacity_table(h: Mapping[str, Any]) -> str:
         rel = v["bcr_relative"]
         rows.append({"graph": g, "chips": ", ".join(f"{r}: {c}" for r, c in h["deployments"][g]["chips"].items()),
                      "cost": v["cost_per_hour"], "capacity": v["capacity_rps"],
-                     "bracket": f"{v['capacity_bracket'][0]}-{v['capacity_bracket'][1]}",
+                     "bracket": _bracket_text(*v["capacity_bracket"]),
                      "blind": v["blind_capacity_rps"], "probes": len(v["probes"]),
                      "bcr": v["bcr"], **{f"bcr {k}": x for k, x in rel.items()}})
     cols = [("graph", "graph", "s"), ("chips", "chips", "s"), ("$/h", "cost", ".2f"), ("capacity req/s", "capacity", ".3g"),
             ("bracket", "bracket", "s"), ("blind", "blind", ".3g"), ("probes", "probes", "d"), ("BCR req/$", "bcr", ".1f")]
     cols += [(f"BCR {k[4:]}", k, ".1f") for k in rows[0] if k.startswith("bcr ")] if rows else []
     return simple_table(rows, cols)
+
+
+def _bracket_text(met: float | None, missed: float | None) -> str:
+    """'met-missed', with an open side said as such (no probe met: below the lowest; none missed:
+    at least the highest)."""
+    if met is None:
+        return f"< {missed:.3g} (none met)" if missed is not None else "-"
+    return f"{met:.3g}-{missed:.3g}" if missed is not None else f">= {met:.3g} (none missed)"
 
 
 def write_probe_records(out: Mapping[str, GraphProbes], path: Path) -> Path:
