@@ -320,7 +320,9 @@ def capacity_headline(sc: Any, out: Mapping[str, GraphProbes], predicted: Mappin
 
     prices = {"market": {}, **{f"b_{r:g}x_a": sc.relative_prices(r) for r in RELATIVE_PRICES}}
     h: dict[str, Any] = {"emulated": True, "scenario": sc.name, "time_scale": sc.time_scale, "context_scale": 1,
-                         "priced": "every replica whole, and the inter-DC line", "deployments": {}}
+                         "priced": "every replica whole, and the inter-DC line",
+                         # below 100 (a scenario's smaller `capacity.requests`) a probe can't tell 85% from 90%
+                         "min_requests_per_probe": cap.search.min_requests, "deployments": {}}
     per: dict[str, dict[str, Any]] = {}
     errors, answered = 0, 0
     for name, gp in out.items():

@@ -269,8 +269,11 @@ def _expand_braces(p: str) -> list[str]:
 def _check_path(token: str, where: str) -> list[str]:
     """A repository path (`graphs/pdd.yaml`, `cluster_configs/*-two-site.yaml`, `~/pdd_serve/...`
     as the launched nodes see the checkout) must exist; a placeholder segment (`X.yaml`, `FILE`)
-    is not a path."""
-    m = _PATH.match(token.rstrip(".,:;"))
+    is not a path. A comma-separated list (a `--graphs a.yaml,b.yaml` value) is checked path by path."""
+    token = token.rstrip(".,:;")
+    if "," in token and "{" not in token:
+        return [f for part in token.split(",") if part for f in _check_path(part, where)]
+    m = _PATH.match(token)
     if not m:
         return []
     path = m.group(1).rstrip("/")
@@ -426,6 +429,7 @@ def test_the_checks_catch_a_stale_command_flag_path_module_and_link(tmp_path):
         "serve run graphs/no_such_graph.yaml",
         "python evaluations/no_such_bench.py --repeats 1",
         "pdd compare --emulate emulated_70b --repeats 1      # current: no problem",
+        "pdd compare --graphs graphs/pdd.yaml,graphs/no_such_listed.yaml",
         "```", "",
         "Also `python -m evaluations.sim.validate RUN --no-such-option`, `pdd_serve.policy.no_such_function`",
         "and [a page](no-such-page.md), [a heading](#no-such-heading).",
@@ -437,7 +441,7 @@ def test_the_checks_catch_a_stale_command_flag_path_module_and_link(tmp_path):
     found = problems({doc: text})
     expected = ["pdd_serve.no_such_module", "--no-such-flag", "`no-such-command` is not a subcommand",
                 "graphs/no_such_graph.yaml", "evaluations/no_such_bench.py", "--no-such-option",
-                "no_such_function", "no-such-page.md", "#no-such-heading"]
+                "no_such_function", "no-such-page.md", "#no-such-heading", "graphs/no_such_listed.yaml"]
     for e in expected:
         assert any(e in p for p in found), f"missed {e!r} in {found}"
-    assert not any("emulated_70b" in p or "bench_engine" in p for p in found), found  # current, or skipped
+    assert not any("emulated_70b" in p or "bench_engine" in p or "graphs/pdd.yaml" in p for p in found), found
