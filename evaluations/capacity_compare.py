@@ -34,6 +34,7 @@ from typing import Any
 import yaml
 
 from evaluations.capacity import CapacitySearch, Probe, SearchIncomplete, bracket, probe_of, search_capacity
+from evaluations.cost import bcr  # capacity per dollar: req/s within the SLA x 3600 / USD per hour
 from evaluations.harness import EvalEnv, EvalError, PreparedGraph, deployed, eval_cluster, for_repeat, link_seed, log_err
 from evaluations.loadgen import LoadConfig, RequestRecord, drive, summarize_run
 from evaluations.open_loop import ProbeLoad, at_rate, mismatches, probe_load, reference_generator, sessions_for, turn_gap_s
@@ -301,13 +302,8 @@ def run_capacity(sc: Any, graphs: list[PreparedGraph], cap: CapacityConfig, env:
 # ---------------------------------------------------------------- figures
 
 
-def bcr(capacity: float | None, cost: float) -> float | None:
-    """Capacity per dollar: requests/s served within the SLA x 3600 per USD/h."""
-    return None if capacity is None or not cost > 0 else capacity * 3600.0 / cost
-
-
 def gain(a: float | None, b: float | None) -> float | None:
-    return None if a is None or not b else a / b - 1
+    return None if a is None or not b or math.isnan(a) or math.isnan(b) else a / b - 1
 
 
 def capacity_headline(sc: Any, out: Mapping[str, GraphProbes], predicted: Mapping[str, Mapping[str, Any]],
