@@ -26,7 +26,7 @@ import dataclasses
 import json
 import math
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,9 +35,26 @@ import yaml
 
 from evaluations.capacity import CapacitySearch, Probe, SearchIncomplete, bracket, probe_of, search_capacity
 from evaluations.cost import bcr  # capacity per dollar: req/s within the SLA x 3600 / USD per hour
-from evaluations.harness import EvalEnv, EvalError, PreparedGraph, deployed, eval_cluster, for_repeat, link_seed, log_err
+from evaluations.harness import (
+    EvalEnv,
+    EvalError,
+    PreparedGraph,
+    deployed,
+    eval_cluster,
+    for_repeat,
+    link_seed,
+    log_err,
+)
 from evaluations.loadgen import LoadConfig, RequestRecord, drive, summarize_run
-from evaluations.open_loop import ProbeLoad, at_rate, mismatches, probe_load, reference_generator, sessions_for, turn_gap_s
+from evaluations.open_loop import (
+    ProbeLoad,
+    at_rate,
+    mismatches,
+    probe_load,
+    reference_generator,
+    sessions_for,
+    turn_gap_s,
+)
 from evaluations.workloads import AgenticWorkload, HitDistribution, fresh_tokens
 
 SAME, CROSS, PDD = "pd_same_dc", "pd_cross_dc", "pdd"
@@ -122,7 +139,7 @@ def blind(sc: Any, graphs: list[PreparedGraph], cap: CapacityConfig, overhead_s:
     for g in graphs:
         calls = iter(range(10_000))
 
-        def probe_at(rate: float) -> Any:
+        def probe_at(rate: float, calls: Iterator[int] = calls) -> Any:
             key = (next(calls), probe_requests(sc, cap, rate))  # probe k of a search sends load k, as the compare does
             if key not in loads:
                 loads[key] = probe_load(agentic_spec(sc, key[1], key[0]), placeholder_answers)
@@ -193,7 +210,7 @@ def calibrate_overhead(url: str, g: PreparedGraph, sc: Any, n: int, load: LoadCo
                        generate: Callable[..., list[list[int]]], log: Callable[[str], None]) -> tuple[float, int]:
     """Real seconds a lone same-DC request spends outside its modeled prefill and first decode
     step, median over `n` requests sent one at a time (a seed no probe uses)."""
-    from evaluations.compare import software_overhead_real_s, GraphResult
+    from evaluations.compare import GraphResult, software_overhead_real_s
 
     # two output tokens: the overhead is read off the first token, and a long answer only costs time
     pl = probe_load(dataclasses.replace(agentic_spec(sc, n, seed=10_000), sessions=n, anomalous_share=0.0, turns=1,
@@ -262,7 +279,8 @@ def run_capacity(sc: Any, graphs: list[PreparedGraph], cap: CapacityConfig, env:
                 gp = out[g.name]
                 calls = iter(range(10_000))
 
-                def probe(rate: float, gp: GraphProbes = gp, url: str = url, g: PreparedGraph = g) -> Probe:
+                def probe(rate: float, gp: GraphProbes = gp, url: str = url, g: PreparedGraph = g,
+                          calls: Iterator[int] = calls) -> Probe:
                     pl = load_k(next(calls), rate)
                     recs = drive(url, at_rate(pl, rate, gap), load, desc=f"{g.name} @{rate:.3g}/s", log=log,
                                  progress=progress, settle_s=settle_for(g))
@@ -357,13 +375,13 @@ def capacity_headline(sc: Any, out: Mapping[str, GraphProbes], predicted: Mappin
                       "capacity_bracket": predicted.get(n, {}).get("capacity_bracket"),
                       "capacity_over_draws": predicted.get(n, {}).get("capacity_over_draws"),
                       "cost_per_hour": cost_per_hour(g.cfg)} for n, g in every.items()}
+    per_cfg = {n: gp.graph.cfg for n, gp in out.items()}
     for k, pr in prices.items():
         def b_of(g: str, blind_: bool = False, pr: Mapping[str, float] = pr) -> float | None:
             if blind_:
                 return bcr(predicted.get(g, {}).get("capacity_rps"), cost_per_hour(every[g].cfg, pr)) if g in every else None
             return bcr(per[g]["capacity_rps"], cost_per_hour(per_cfg[g], pr)) if g in per else None
 
-        per_cfg = {n: gp.graph.cfg for n, gp in out.items()}
         sfx = "" if k == "market" else f"_{k}"
         h[f"bcr_gain_vs_same_dc{sfx}"] = gain(b_of(PDD), b_of(SAME))
         h[f"bcr_gain_vs_cross_dc{sfx}"] = gain(b_of(PDD), b_of(CROSS))

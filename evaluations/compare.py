@@ -315,7 +315,7 @@ def emulated_headline(results: Mapping[str, GraphResult], summaries: Mapping[str
     """The emulated keys of the JSON line: what was emulated, each ratio's median over repeats and
     its spread, BCR on the emulated chips' prices, and the pacers' overrun per step kind."""
 
-    from evaluations.sim.emulated import cost_per_hour, ratio, repeat_ratios, role_chips, spread
+    from evaluations.sim.emulated import cost_per_hour, repeat_ratios, role_chips, spread
     from pdd_serve.emulation.pacer import OVERRUN_WARN_SHARE, PACED_KINDS, merge_stats, overrun_warning
 
     sc = cfg.emulate
