@@ -329,7 +329,7 @@ def capacity_headline(sc: Any, out: Mapping[str, GraphProbes], predicted: Mappin
     """The JSON line's keys (issue 40's list). `out`: the probed graphs; `graphs`: every graph
     predicted (default: the probed ones), whose blind BCR gains are priced the same way."""
     from evaluations.sim.blind import rel_err_to_bracket
-    from evaluations.sim.emulated import cost_per_hour, role_chips
+    from evaluations.sim.emulated import cost_per_hour, decode_caps, role_chips
     from pdd_serve.emulation.pacer import PACED_KINDS, build_emulation, merge_stats
 
     prices = {"market": {}, **{f"b_{r:g}x_a": sc.relative_prices(r) for r in RELATIVE_PRICES}}
@@ -365,7 +365,7 @@ def capacity_headline(sc: Any, out: Mapping[str, GraphProbes], predicted: Mappin
             "mismatched": len(gp.mismatched),
         }
         h["deployments"][name] = {"replicas": {r: getattr(cfg.sites, f"{r}_replicas") for r in cfg.engine_roles()},
-                                  "chips": role_chips(cfg),
+                                  "chips": role_chips(cfg), "decode_batch_cap": decode_caps(cfg),
                                   "line": (f"{sc.link.get('bandwidth_bps', 0) / 1e9:g} Gb/s, "
                                            f"{sc.link.get('one_way_latency_s', 0) * 1e3:g} ms one way")
                                   if gp.graph.cross_site else None}

@@ -178,6 +178,8 @@ def prepare_graphs(paths: Sequence[str | Path], out_dir: Path, http_port: int, l
         if emulate is not None:  # an EmulatedScenario (evaluations/sim/emulated.py): chips per graph
             args["emulate"] = emulate.emulate_block(str(args.get("graph", p.stem)))
             args["time_scale"] = emulate.time_scale
+            # the SLA's TPOT caps each decoder's batch on its chips (pdd_serve.emulation.pacer.decode_batch_cap)
+            args["policy"]["tpot_slo_s"] = emulate.sla.tpot_s
         if "expose_cache_hits" in {f.name for f in dataclasses.fields(ServerConfig)}:
             args.setdefault("server", {})["expose_cache_hits"] = True  # the compare reads hit rates
         name = str(args.get("graph", p.stem))

@@ -20,6 +20,7 @@ from pdd_serve.emulation.clock import MAX_TIME_SCALE
 from pdd_serve.transport.link import LineConfig, preset_config, trace_values
 
 PIPELINES = ("P-MD", "P-RLD-MD", "P-RLD")
+DEFAULT_MAX_BATCH = 32  # an engine's batch cap where the graph sets none and no emulated chip gives one
 ENGINE_ROLES = ("prefill", "relay", "main_decode")  # the roles that run an engine (`engines:` keys)
 HANDOFF_MODES = ("auto", "one-shot", "catch-up")
 
@@ -41,7 +42,9 @@ class ModelConfig:
     block_size: int = 16
     kv_cache_bytes: int = 512 << 20
     prefix_cache_bytes: int | None = None  # None: half of kv_cache_bytes
-    max_batch: int = 32  # decode batch cap per replica
+    # batch cap per replica; None: DEFAULT_MAX_BATCH, or on emulated chips the largest decode batch
+    # they step within policy.tpot_slo_s and hold in their pool (emulation.pacer.decode_batch_cap)
+    max_batch: int | None = None
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
     threads: int | None = None  # torch intra-op threads per replica; None: the role's default (P 2, RLD/MD 1)
     # float32: every op whose result depends on the kernel (and so on the batch) in float64, rounded
@@ -57,7 +60,8 @@ class ModelConfig:
         _require(self.dtype in (None, "float32", "float16", "bfloat16"), f"model.dtype must be float32|float16|bfloat16, got {self.dtype!r}")
         _require(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, f"model.block_size must be a power of two, got {self.block_size}")
         _require(self.kv_cache_bytes > 0, "model.kv_cache_bytes must be > 0")
-        _require(self.max_batch > 0, "model.max_batch must be > 0")
+        _require(self.max_batch is None or (_is_int(self.max_batch) and self.max_batch > 0),
+                 f"model.max_batch must be an int > 0 (or unset), got {self.max_batch!r}")
         _require(self.prefix_cache_bytes is None or 0 <= self.prefix_cache_bytes <= self.kv_cache_bytes,
                  "model.prefix_cache_bytes must be within [0, kv_cache_bytes]")
         _require(isinstance(self.batch_invariant, bool), f"model.batch_invariant must be true or false, got {self.batch_invariant!r}")
@@ -231,6 +235,9 @@ class PolicyConfig:
     # P->MD requests also leave their KV for the relay, so a request whose real delta turns out
     # larger than the view promised can still take P->RLD->MD at the end of prefill
     late_relay: bool = True
+    # the time per output token the graph promises (emulated seconds): on emulated chips each
+    # decoder's batch stops where its step would take longer (None: only the pool caps the batch)
+    tpot_slo_s: float | None = None
 
     def __post_init__(self) -> None:
         _require(bool(self.pipelines) and all(p in PIPELINES for p in self.pipelines),
@@ -243,6 +250,8 @@ class PolicyConfig:
         _require(self.relay_max_running > 0, "policy.relay_max_running must be > 0")
         _require(self.kv_wait_timeout_s > 0, "policy.kv_wait_timeout_s must be > 0")
         _require(0 < self.drc_view_period_s <= 60, "policy.drc_view_period_s must be in (0, 60]")
+        _require(self.tpot_slo_s is None or (isinstance(self.tpot_slo_s, (int, float)) and self.tpot_slo_s > 0),
+                 f"policy.tpot_slo_s must be > 0 seconds (or unset), got {self.tpot_slo_s!r}")
         _require(self.max_migrations >= 0 and self.prefill_retries >= 0,
                  "policy.max_migrations and policy.prefill_retries must be >= 0")
 

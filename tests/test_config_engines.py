@@ -66,7 +66,7 @@ def test_precedence_role_over_site_over_model():
 def test_site_keys_follow_the_sites_section():
     # MD moved to site c: engines.c applies to it, engines.b is then unknown
     cfg = load_config({"sites": {"main_decode": "c"}, "link": "pdd_report", "engines": {"c": {"max_batch": 7}}})
-    assert cfg.engine_for("main_decode").max_batch == 7 and cfg.engine_for("prefill").max_batch == 32
+    assert cfg.engine_for("main_decode").max_batch == 7 and cfg.engine_for("prefill").max_batch is None  # unset: the engine default
     with pytest.raises(ConfigError, match=r"engines\.b is neither a role .* nor a site an engine runs at \(a, c"):
         load_config({"sites": {"main_decode": "c"}, "link": "pdd_report", "engines": {"b": {"max_batch": 7}}})
 

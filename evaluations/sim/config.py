@@ -142,8 +142,8 @@ class SimLink:
 
     link: LinkConfig = field(default_factory=LinkConfig)
     line_gbps: float | None = None  # aggregate capacity of the line (None: only the per-transfer model)
-    per_prefill_bucket: bool = False  # transfers of one P replica share its pacer (pdd_serve's Prefill)
-    # with per_prefill_bucket: a push's parallel Flight streams (flight.streams) and the bytes one
+    paced_line: bool = False  # every P replica's transfers share one pacer (pdd_serve's Line deployment)
+    # with paced_line: a push's parallel Flight streams (flight.streams) and the bytes one
     # stream sends at a time (a batch, never more than one prefill chunk's blocks): the line is
     # shared per stream, so a push of one batch has one share, a large one up to `streams`
     streams: int = 1
@@ -178,9 +178,12 @@ class RoleSpec:
     chip: str
     count: int  # chips
     chips_per_instance: int = 1
+    max_batch: int | None = None  # a decoder's batch cap (None: scheduler.decode_max_batch)
 
     def __post_init__(self) -> None:
         _check(bool(self.chip), "chip", "must name a chip of the catalog")
+        _check(self.max_batch is None or (isinstance(self.max_batch, int) and self.max_batch > 0), "max_batch",
+               f"must be an integer > 0 or null, got {self.max_batch!r}")
         _check(isinstance(self.count, int) and self.count >= 1, "count", f"must be an integer >= 1, got {self.count!r}")
         _check(isinstance(self.chips_per_instance, int) and self.chips_per_instance >= 1, "chips_per_instance", "must be >= 1")
         _check(self.count % self.chips_per_instance == 0, "count",

@@ -30,7 +30,7 @@ from evaluations.sim.config import (
 from pdd_serve.config import MEM_RESERVE_FRACTION, PDDConfig
 from pdd_serve.emulation import costmodel
 from pdd_serve.emulation.clock import Clock
-from pdd_serve.emulation.pacer import build_emulation, merge_stats
+from pdd_serve.emulation.pacer import build_emulation, decode_batch_cap, merge_stats
 
 SCENARIO_DIR = Path(__file__).resolve().parents[1] / "scenarios"  # evaluations/scenarios, not sim/scenarios
 ENGINE_DEPLOYMENTS = {"prefill": "Prefill", "relay": "Relay", "main_decode": "MainDecode"}
@@ -219,11 +219,28 @@ def real_kv_bytes_per_token(model: Any) -> int:
     return KVLayout(a.num_layers, a.num_kv_heads, a.head_dim, model.block_size, model.kv_dtype).bytes_per_token
 
 
+def decode_caps(cfg: PDDConfig) -> dict[str, int]:
+    """Each emulated decoder role's batch cap, as its replica computes it (serve/common.batch_cap):
+    its chips, the TPOT SLO, the engine's context limit and the pool its chips hold."""
+    from pdd_serve.checkpoints import resolve_model
+    from pdd_serve.engine.model import ModelArgs
+
+    out = {}
+    for role in cfg.engine_roles():
+        e, m = build_emulation(cfg, role), cfg.engine_for(role)
+        if role == "prefill" or e is None:
+            continue
+        ctx = m.max_model_len or ModelArgs.from_checkpoint(resolve_model(m.path)).max_position_embeddings
+        out[role] = decode_batch_cap(e, m.max_batch, cfg.policy.tpot_slo_s, ctx, e.kv_capacity_tokens)
+    return out
+
+
 def sim_scenario_doc(sc: EmulatedScenario, graphs: list[Any]) -> dict[str, Any]:
     """The same scenario as the simulator reads it (evaluations/sim/config.py's schema): the
     emulated model, chips of the one catalog by name, each graph's deployment with its policy and
     replicas x tp chips, the scenario's link, SLA and pdd_serve's scheduler (one request per
-    prefill forward in 256-token chunks, decode batch `max_batch`, each role's prefix cache half
+    prefill forward in 256-token chunks, each decoder's batch cap from its chips and the TPOT SLO
+    (`decode_batch_cap`), each role's prefix cache half
     the pool its emulated chips hold, as the engines size it). `graphs`: the prepared graphs (evaluations.harness.PreparedGraph)."""
     import dataclasses
 
@@ -250,6 +267,8 @@ def sim_scenario_doc(sc: EmulatedScenario, graphs: list[Any]) -> dict[str, Any]:
         for role in cfg.engine_roles():
             e = build_emulation(cfg, role)
             dep[role] = {"chip": e.chip.name, "count": _replicas(cfg, role) * e.tp, "chips_per_instance": e.tp}
+        for role, cap in decode_caps(cfg).items():  # each decoder's batch cap as its replica computes it
+            dep[role]["max_batch"] = cap
         dep["link"] = "wan" if g.cross_site else "same_dc"
         pol = dataclasses.asdict(cfg.policy)
         pol["pipelines"] = list(pol["pipelines"])
@@ -264,7 +283,7 @@ def sim_scenario_doc(sc: EmulatedScenario, graphs: list[Any]) -> dict[str, Any]:
     fl = next((g.cfg.flight for g in graphs if g.cross_site), first.flight)
     bs = first.model.block_size
     unit_blocks = min(fl.batch_blocks, max(1, PREFILL_CHUNK_TOKENS // bs))
-    link.update(scale_to_model=False, per_prefill_bucket=True, streams=fl.streams,
+    link.update(scale_to_model=False, paced_line=True, streams=fl.streams,
                 stream_unit_bytes=unit_blocks * bs * shape.kv_bytes_per_token,
                 price_per_hour=costmodel.load_catalog().link_price(True))  # priced as cost_per_hour prices it
     return {
@@ -274,7 +293,7 @@ def sim_scenario_doc(sc: EmulatedScenario, graphs: list[Any]) -> dict[str, Any]:
         "sla": {"ttft_s": sc.sla.ttft_s, "tpot_s": sc.sla.tpot_s, "attainment": sc.sla.attainment,
                 "ttft_from": sc.sla.ttft_from},
         "scheduler": {"prefill_chunk_tokens": PREFILL_CHUNK_TOKENS, "prefill_batch_requests": False,
-                      "tail_chunk": "packed", "decode_max_batch": first.engine_for("main_decode").max_batch,
+                      "tail_chunk": "packed",
                       "mem_reserve_fraction": MEM_RESERVE_FRACTION,
                       "prefix_cache_gb": prefix_gb("main_decode"), "prefix_cache_gb_prefill": prefix_gb("prefill"),
                       "prefix_cache_gb_main_decode": prefix_gb("main_decode")},

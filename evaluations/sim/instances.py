@@ -60,7 +60,7 @@ class PrefillInstance:
         self.backlog = 0  # queued uncached tokens: the router's load signal
         self.forwards = 0
         self.busy_s = 0.0
-        self.pacer: SharedPacer | None = None  # pdd_serve's per-Prefill link pacer, when modelled
+        self.pacer: SharedPacer | None = None  # the site pair's one paced line (every replica's), when modelled
         self.bw: BandwidthEstimator | None = None  # its live estimate of the line (with the pacer)
         self.sending = 0  # KV senders running (one per request with an MD target, from the prefill call)
         self.started = 0

@@ -69,11 +69,12 @@ class WireCap:
         return self.arrival_end(at + self.latency_at(at), nbytes) - at
 
 
-# ---------------------------------------------------------------- a Prefill replica's pacer
+# ---------------------------------------------------------------- the paced line
 
 
 class SharedPacer:
-    """pdd_serve's per-Prefill LinkModel, shared by the replica's concurrent Flight streams. Each
+    """pdd_serve's paced line (serve/line.py), shared by every Prefill replica's concurrent Flight
+    streams. Each
     stream books one quantum (`PACE_QUANTUM_BYTES`) at a time, chained on the last booked arrival,
     so concurrent streams take turns quantum by quantum: processor sharing of the link's (jittered)
     rate among STREAMS, not FIFO. A push runs on up to `streams` parallel streams, each sending

@@ -124,25 +124,29 @@ class Simulation:
         rp, rm = roles["prefill"], roles["main_decode"]
         self.ps = [PrefillInstance(self, i, chips[rp.chip], rp.chips_per_instance, cache(), p_bytes)
                    for i in range(rp.instances)]
-        if self.link is not None and ls.per_prefill_bucket:
-            for p in self.ps:  # one pacer (one LinkModel) per Prefill replica, as serve/prefill.py has
-                p.pacer = SharedPacer(self, line_model(ls, self.model.kv_bytes_per_token), ls.streams,
-                                      ls.stream_unit_bytes)
+        if self.link is not None and ls.paced_line:
+            # one pacer for the site pair, shared by every Prefill replica's streams, as pdd_serve's
+            # `Line` deployment is (serve/line.py); each replica keeps its own live estimate
+            line = SharedPacer(self, line_model(ls, self.model.kv_bytes_per_token), ls.streams, ls.stream_unit_bytes)
+            for p in self.ps:
+                p.pacer = line
                 p.bw = BandwidthEstimator(initial_bps=bw)
         self.senders: dict[int, tuple[float, bool, int]] = {}  # rid -> (sender start, alone, start count)
         self.ledger: dict[int, tuple[int, float]] = {}  # the Router's transfers on the line: rid -> (bytes, since)
         self.drc = self.pol.drc
         self.drc_logs = [DRCLog(self) for _ in range(rm.instances)] if self.drc else []
-        self.mds = [DecodeInstance(self, i, "main_decode", dchips[rm.chip], rm.chips_per_instance, sched.decode_max_batch,
+        self.mds = [DecodeInstance(self, i, "main_decode", dchips[rm.chip], rm.chips_per_instance,
+                                   rm.max_batch or sched.decode_max_batch,
                                    RadixCache(self.bs, self.block_bytes, _NO_EVICT, self.drc_logs[i].on_evict)
                                    if self.drc else None, md_bytes) for i in range(rm.instances)]
         rr = roles.get("relay")
-        self.relays = ([DecodeInstance(self, i, "relay", dchips[rr.chip], rr.chips_per_instance, sched.decode_max_batch)
+        self.relays = ([DecodeInstance(self, i, "relay", dchips[rr.chip], rr.chips_per_instance,
+                                      rr.max_batch or sched.decode_max_batch)
                         for i in range(rr.instances)] if rr is not None else [])
         # P->MD requests leave their KV for RLD too, so a stale view can still switch at prefill's end
         self.late_relay = self.pol.late_relay and "P-RLD-MD" in self.pol.pipelines and bool(self.relays)
         mean_len = sum(r.prompt + r.output for r in wl.requests) / max(1, len(wl.requests))
-        self.md_capacity = max(1, min(sched.decode_max_batch, int(self.mds[0].cap_tokens // max(1.0, mean_len))))
+        self.md_capacity = max(1, min(self.mds[0].max_batch, int(self.mds[0].cap_tokens // max(1.0, mean_len))))
         self.relay_running = 0  # the orchestrator's counter: relay streams open
         self.relay_member: dict[int, Member] = {}
         self.followers: dict[int, list[SimRequest]] = {}  # rid -> the session turns sent after it
@@ -242,7 +246,7 @@ class Simulation:
         """The line as the Router sees it (orchestrator.line): the transfers it started and hasn't
         seen land, each assumed to have crossed at a fair share since the Router's decision
         (`wan_backlog`); one that should have crossed by now leaves the ledger. Only where the
-        simulation is pdd_serve's (per-Prefill pacers): at cluster scale a transfer's LinkModel is
+        simulation is pdd_serve's (one paced line): at cluster scale a transfer's LinkModel is
         already one share of a wider line, and the Router plans each on its own."""
         if not self.ps or self.ps[0].pacer is None:
             return self.est
@@ -297,7 +301,8 @@ class Simulation:
         if p.bw is not None and r.pipeline != "P-RLD":  # Prefill's sender starts with the prefill call
             p.sending += 1
             p.started += 1
-            self.senders[r.rid] = (self.now, p.sending == 1, p.started)
+            # alone: no other stream on the line, from any replica (pdd_serve's `SharedLine.shared`)
+            self.senders[r.rid] = (self.now, sum(q.sending for q in self.ps) == 1, sum(q.started for q in self.ps))
         p.submit(PrefillJob(r, r.prompt - r.hit_p, r.hit_p))
 
     def _pick_prefill(self, r: SimRequest) -> PrefillInstance:
@@ -343,7 +348,7 @@ class Simulation:
         return end
 
     def stream_start(self, job: PrefillJob, p: PrefillInstance) -> None:
-        """P's first chunk is done: with a per-Prefill pacer, the KV stream to MD starts sharing it."""
+        """P's first chunk is done: with the paced line, the KV stream to MD starts sharing it."""
         r = job.req
         if p.pacer is None or r.pipeline == "P-RLD":
             return
@@ -364,7 +369,7 @@ class Simulation:
         t0, alone, started = self.senders.pop(r.rid)
         p.sending -= 1
         nbytes = r.wan_bytes - self._resend_bytes(r)
-        if alone and p.started == started and nbytes >= BW_SAMPLE_MIN_BYTES and p.bw is not None:
+        if alone and sum(q.started for q in self.ps) == started and nbytes >= BW_SAMPLE_MIN_BYTES and p.bw is not None:
             p.bw.observe(nbytes, t - t0)
         self._kv_part(r, t)
 

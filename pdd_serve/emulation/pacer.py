@@ -17,17 +17,19 @@ Pure: no Ray, no torch. The pacer takes its timer and sleep, so tests drive it w
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdd_serve.config import MEM_RESERVE_FRACTION, PDDConfig
+from pdd_serve.config import DEFAULT_MAX_BATCH, MEM_RESERVE_FRACTION, PDDConfig
 from pdd_serve.emulation.clock import Clock
 from pdd_serve.emulation.costmodel import (
     ChipSpec,
     ModelShape,
+    decode_batch_limit,
     decode_step_time,
     kv_capacity_tokens,
     kv_copy_time,
@@ -86,6 +88,20 @@ class Emulation:
     def params(self, clock: Clock) -> dict[str, object]:
         return {"model": self.model.name, "chip": self.chip.name, "tp": self.tp, "time_scale": clock.time_scale,
                 "kv_bytes_per_token": self.kv_bytes_per_token, "kv_capacity_tokens": self.kv_capacity_tokens}
+
+
+def decode_batch_cap(e: Emulation | None, set_cap: int | None, tpot_s: float | None, ctx_per_seq: int,
+                     pool_tokens: int) -> int:
+    """A decoder's batch cap: the graph's `max_batch` where it sets one; on emulated chips, the
+    largest batch they step within the TPOT SLO with every sequence at `ctx_per_seq` tokens (the
+    engine's context limit: any batch under the cap meets it) and whose KV fits the pool, at least
+    one; otherwise DEFAULT_MAX_BATCH. The serving graph and the simulator both take it from here."""
+    if set_cap is not None:
+        return set_cap
+    if e is None:
+        return DEFAULT_MAX_BATCH
+    return max(1, decode_batch_limit(e.chip, e.model, e.tp, math.inf if tpot_s is None else tpot_s,
+                                     ctx_per_seq, pool_tokens))
 
 
 def build_emulation(cfg: PDDConfig, role: str) -> Emulation | None:

@@ -14,6 +14,7 @@ from ray.serve import Application
 
 from pdd_serve.config import PDDConfig, load_config
 from pdd_serve.serve.common import actor_options
+from pdd_serve.serve.line import Line, needs_line
 from pdd_serve.serve.main_decode import MainDecode
 from pdd_serve.serve.prefill import Prefill
 from pdd_serve.serve.relay import Relay
@@ -27,7 +28,12 @@ def build_app(args: dict[str, Any] | PDDConfig | None = None) -> Application:
     if cfg.flight.mac_key is None:  # one random KV MAC key per deployed graph: only P and MD hold it
         cfg = dataclasses.replace(cfg, flight=dataclasses.replace(cfg.flight, mac_key=secrets.token_urlsafe(32)))
     s = cfg.sites
-    prefill = Prefill.options(num_replicas=s.prefill_replicas, ray_actor_options=actor_options(cfg, s.prefill)).bind(cfg)
+    # one line per site pair, whatever the number of Prefill replicas: they all book on it. It only
+    # keeps a ledger (no CPU reserved, as Serve's controller), at the senders' site
+    line = (Line.options(ray_actor_options=actor_options(cfg, s.prefill, num_cpus=0)).bind(cfg)
+            if needs_line(cfg) else None)
+    prefill = Prefill.options(num_replicas=s.prefill_replicas,
+                              ray_actor_options=actor_options(cfg, s.prefill)).bind(cfg, line)
     relay = None
     if cfg.uses_relay:
         relay = Relay.options(num_replicas=s.relay_replicas, ray_actor_options=actor_options(cfg, s.relay)).bind(cfg)

@@ -109,14 +109,47 @@ def take_over(engine: EngineBackend, seq: Sequence, token_ids: list[int], who: s
     return engine.extend(seq, token_ids)
 
 
-def emulation_stats(engine: EngineBackend) -> dict:
+def batch_cap(cfg: PDDConfig, role: str, engine: EngineBackend) -> int:
+    """The batch cap of a role's engine (`emulation.pacer.decode_batch_cap`): a decoder on emulated
+    chips gets what they step within `policy.tpot_slo_s` and hold in the pool it was given."""
+    from pdd_serve.config import DEFAULT_MAX_BATCH
+    from pdd_serve.emulation.pacer import decode_batch_cap
+
+    m = cfg.engine_for(role)
+    pacer = getattr(engine, "pacer", None)  # a PacedEngine's
+    if role == "prefill" or pacer is None:
+        return m.max_batch or DEFAULT_MAX_BATCH
+    from pdd_serve.checkpoints import resolve_model
+    from pdd_serve.engine.model import ModelArgs
+
+    ctx = m.max_model_len or ModelArgs.from_checkpoint(resolve_model(m.path)).max_position_embeddings
+    cap = decode_batch_cap(pacer.emulation, m.max_batch, cfg.policy.tpot_slo_s, ctx,
+                           engine.pool.num_blocks * engine.block_size)
+    logger.info("%s: decode batch cap %d (%s, TPOT SLO %s, %d-token contexts)", role, cap,
+                pacer.emulation.label(), cfg.policy.tpot_slo_s, ctx)
+    return cap
+
+
+def emulation_stats(engine: EngineBackend, max_batch: int | None = None) -> dict:
     """The pacer's per-step-kind counts (steps, overruns, modeled seconds) for a replica's stats."""
     p = getattr(engine, "pacer", None)  # a PacedEngine's
     if p is None:
         return {}
     # the pool admission sees: the emulated chips' KV room, or less when kv_cache_bytes caps it
-    pool = {"kv_pool_tokens": engine.pool.num_blocks * engine.block_size}
+    pool = {"kv_pool_tokens": engine.pool.num_blocks * engine.block_size,
+            **({} if max_batch is None else {"batch_cap": max_batch})}
     return {"emulation": {**p.stats(), **p.params(), **pool}}
+
+
+def role_kv_bytes_per_token(cfg: PDDConfig, role: str) -> int:
+    """Real KV bytes per token of one role's engine, from its checkpoint's shape (no engine built)."""
+    from pdd_serve.checkpoints import resolve_model
+    from pdd_serve.engine.kv import KVLayout
+    from pdd_serve.engine.model import ModelArgs
+
+    m = cfg.engine_for(role)
+    a = ModelArgs.from_checkpoint(resolve_model(m.path))
+    return KVLayout(a.num_layers, a.num_kv_heads, a.head_dim, m.block_size, m.kv_dtype).bytes_per_token
 
 
 def graph_link(cfg: PDDConfig, real_bytes_per_token: int) -> LinkModel:

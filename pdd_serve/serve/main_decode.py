@@ -18,6 +18,7 @@ from pdd_serve.engine.kv import blocks_needed
 from pdd_serve.engine.worker import EngineWorker
 from pdd_serve.metrics import ReplicaGauges
 from pdd_serve.serve.common import (
+    batch_cap,
     check_engine,
     emulation_stats,
     graph_link,
@@ -56,7 +57,7 @@ class MainDecode:
         self.clock = Clock(cfg.time_scale)  # slow motion: real seconds waited, emulated ones reported
         self.engine = load_engine(cfg.engine_for("main_decode"), enable_prefix_cache=cfg.policy.drc,
                                   emulation=build_emulation(cfg, "main_decode"), clock=self.clock)
-        self.worker = EngineWorker(self.engine, cfg.engine_for("main_decode").max_batch)
+        self.worker = EngineWorker(self.engine, batch_cap(cfg, "main_decode", self.engine))
         self.where = placement()
         self.started_at = time.time()
         self.flight = self._new_flight()
@@ -97,7 +98,7 @@ class MainDecode:
         epoch = f"{self.started_at}:{self.flight.location}"
         # list(dict) runs in C under the GIL: a consistent copy while the engine thread inserts
         hashes = None if known == (epoch, version) else tuple(cache.nodes) if cache is not None else ()
-        return MDView(self.replica, epoch, version, hashes, len(self.seqs), self.cfg.engine_for("main_decode").max_batch,
+        return MDView(self.replica, epoch, version, hashes, len(self.seqs), self.worker.max_batch,
                       self.flight.location, cache.hit_unit if cache is not None else 1)
 
     async def prepare(self, req: GenRequest, planned_start: int | None = None) -> MDPrepareReply:
@@ -338,7 +339,7 @@ class MainDecode:
                              "context_mismatches": e.context_mismatches, "held": sorted(self.seqs),
                              "worker_running": self.worker.num_running,
                              "flight_bytes_reserved": self.flight.bytes_reserved, "started_at": self.started_at,
-                             "preemptions": e.preemptions, **emulation_stats(e),
+                             "preemptions": e.preemptions, **emulation_stats(e, self.worker.max_batch),
                              **self.where})
 
     # ------------------------------------------------------------ helpers

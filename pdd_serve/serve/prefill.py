@@ -12,6 +12,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from ray import serve
 
@@ -23,7 +24,15 @@ from pdd_serve.engine.kv import KVBlocks, PoolFullError, blocks_needed, num_full
 from pdd_serve.engine.sampling import RequestError, SamplingParams
 from pdd_serve.engine.worker import EngineWorker
 from pdd_serve.policy import PREFILL_ADMIT_SHARE, PrefillCost, fit_prefill_cost, prefill_admits, wan_backlog
-from pdd_serve.serve.common import check_engine, emulation_stats, graph_link, load_engine, logger, placement
+from pdd_serve.serve.common import (
+    batch_cap,
+    check_engine,
+    emulation_stats,
+    graph_link,
+    load_engine,
+    logger,
+    placement,
+)
 from pdd_serve.serve.messages import (
     GenRequest,
     KVTarget,
@@ -36,7 +45,7 @@ from pdd_serve.serve.messages import (
     ReplicaStats,
 )
 from pdd_serve.serve.pinning import ROUTER_CLASS, this_replica
-from pdd_serve.transport.link import BW_SAMPLE_MIN_BYTES, BandwidthEstimator
+from pdd_serve.transport.link import BW_SAMPLE_MIN_BYTES, BandwidthEstimator, LinkModel, SharedLine
 
 COST_WINDOW = 32  # recent prefills the replica's prefill cost is fitted over
 MAX_SENDERS = 32  # KV transfers a Prefill replica runs at once (more share the line no faster)
@@ -130,15 +139,22 @@ class BlockFeed:
                   request_router_config={"request_router_class": ROUTER_CLASS,
                                          "request_routing_stats_period_s": 0.5})
 class Prefill:
-    def __init__(self, cfg: PDDConfig) -> None:
+    def __init__(self, cfg: PDDConfig, line: Any = None) -> None:
         self.cfg = cfg
         self.clock = Clock(cfg.time_scale)  # slow motion: real seconds waited, emulated ones reported
         self.engine = load_engine(cfg.engine_for("prefill"), enable_prefix_cache=True, threads=2,
                                   emulation=build_emulation(cfg, "prefill"), clock=self.clock)
-        self.worker = EngineWorker(self.engine, cfg.engine_for("prefill").max_batch)
+        self.worker = EngineWorker(self.engine, batch_cap(cfg, "prefill", self.engine))
         self.where = placement()
-        # one link per replica: all of this replica's transfers share its bandwidth
-        self.link = graph_link(cfg, self.engine.layout.bytes_per_token)
+        self.replica = this_replica()
+        # the graph's one line (serve/line.py): every Prefill replica's transfers book on it, so a
+        # second replica shares the line's bandwidth instead of bringing its own; without a Line
+        # (in-process tests) this replica's transfers share a line of their own
+        local = graph_link(cfg, self.engine.layout.bytes_per_token)
+        self.link: LinkModel | SharedLine = local
+        if line is not None:
+            self.link = SharedLine(local, lambda flow, n, chained: line.book.remote(flow, n, chained),
+                                   name=str(self.replica), timeout_s=self.clock.real(5.0))
         # emulated: the line carries the emulated model's KV (this many bytes per real byte), on the
         # emulated clock; every byte count and time below that the routers plan with is in those units
         self.kv_scale = kv_scale(cfg, self.engine.layout.bytes_per_token)
@@ -159,7 +175,6 @@ class Prefill:
         self.shed = 0  # prefills refused that way
         self._done: deque[tuple[int, float]] = deque(maxlen=COST_WINDOW)  # (tokens computed, engine seconds)
         self._calibration: list[tuple[int, float]] = []  # (`_calibrate`) taken before the first prefill
-        self.replica = this_replica()
         self._send_lock = threading.Lock()
         # one bounded pool of sender threads per replica, not a thread per transfer: past
         # MAX_SENDERS transfers at once, a transfer waits its turn (its blocks wait in its feed,
@@ -167,6 +182,8 @@ class Prefill:
         self._senders = ThreadPoolExecutor(MAX_SENDERS, thread_name_prefix="kv-send")
         self.faults: dict[str, list[tuple[str, float]]] = {}
         self.transfers = {"started": 0, "done": 0, "failed": 0, "dropped": 0, "aborted": 0, "bytes": 0}
+        if isinstance(self.link, SharedLine) and self.link.config.paced:
+            self._senders.submit(self.link.sync_clock)  # report the line's times from the first request
 
     async def prefill(self, preq: PrefillRequest) -> PrefillResult:
         req = preq.req
@@ -367,6 +384,7 @@ class Prefill:
                 self.transfers["started"] += 1
                 self.sending += 1
                 alone, started = self.sending == 1, self.transfers["started"]
+                shared = getattr(self.link, "shared", 0)  # bookings that met another replica's stream
             try:
                 client = KVFlightClient(feed.target.flight_location, fl.token, layout=self.engine.layout,
                                         tls_root_cert=fl.tls_root_cert, override_hostname=fl.tls_server_name,
@@ -375,7 +393,8 @@ class Prefill:
                                         link=self.link if self.link.config.paced else None)
                 stats = client.push(request_id, iter(feed))
                 with self._send_lock:  # sender threads and stats readers share the counters
-                    alone = alone and self.transfers["started"] == started  # none began meanwhile
+                    # none of this replica's began meanwhile, nor did another replica's share the line
+                    alone = alone and self.transfers["started"] == started and getattr(self.link, "shared", 0) == shared
                     self.transfers["done"] += 1
                     self.transfers["bytes"] += stats.bytes_sent
                 if alone and stats.bytes_sent * self.kv_scale >= BW_SAMPLE_MIN_BYTES:  # emulated bytes, seconds
@@ -442,4 +461,6 @@ class Prefill:
                              "send_cap_bytes": self.send_cap(),
                              "send_refused": self.send_refused, "prefills_shed": self.shed, "queued_prefills": self.queued,
                              "queued_tokens": self.queued_tokens, "prefill_cost": cost and dataclasses.asdict(cost),
-                             **emulation_stats(e), **self.where})
+                             "line_shared_bookings": getattr(self.link, "shared", 0),
+                             "line_errors": getattr(self.link, "errors", 0), "replica": self.replica,
+                             **emulation_stats(e, self.worker.max_batch), **self.where})

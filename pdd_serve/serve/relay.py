@@ -17,7 +17,15 @@ from pdd_serve.emulation.clock import Clock
 from pdd_serve.emulation.pacer import build_emulation
 from pdd_serve.engine.worker import EngineWorker
 from pdd_serve.metrics import ReplicaGauges
-from pdd_serve.serve.common import check_engine, emulation_stats, load_engine, logger, placement, take_over
+from pdd_serve.serve.common import (
+    batch_cap,
+    check_engine,
+    emulation_stats,
+    load_engine,
+    logger,
+    placement,
+    take_over,
+)
 from pdd_serve.serve.messages import RelayRequest, RelaySaturated, ReplicaStats, TokenChunk
 from pdd_serve.serve.pinning import ROUTER_CLASS
 
@@ -44,7 +52,7 @@ class Relay:
         # no prefix cache: RLD receives every prompt's KV from P; it holds KV only while it relays
         self.engine = load_engine(cfg.engine_for("relay"), enable_prefix_cache=False,
                                   emulation=build_emulation(cfg, "relay"), clock=self.clock)
-        self.worker = EngineWorker(self.engine, cfg.engine_for("relay").max_batch)
+        self.worker = EngineWorker(self.engine, batch_cap(cfg, "relay", self.engine))
         self.where = placement()
         self.tokens_generated = 0
         self.live: set[str] = set()  # requests holding KV here
@@ -163,4 +171,4 @@ class Relay:
                             extra={"tokens_generated": self.tokens_generated, "live": sorted(self.live),
                                    "peak_live": self.peak_live, "max_running": self.max_running,
                                    "context_mismatches": e.context_mismatches,
-                                   "preemptions": e.preemptions, **emulation_stats(e), **self.where})
+                                   "preemptions": e.preemptions, **emulation_stats(e, self.worker.max_batch), **self.where})

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -42,6 +43,12 @@ PACE_QUANTUM_BYTES = 64 * 1024
 # LinkModel (a unique key, never id(): a dead model's id is reused and its stale entry would chain).
 _FLOW_TAT: contextvars.ContextVar[dict[int, float]] = contextvars.ContextVar("pdd_link_flow_tat")
 _EPOCHS = itertools.count()
+
+MAX_SHARED_FLOWS = 1024  # streams a shared line's ledger remembers (the idle ones are forgotten first)
+# A sender on a shared line books this much of the line's time per call (at its mean rate): fine
+# enough that concurrent senders interleave as TCP flows do, coarse enough that the booking call
+# (a Serve call to the Line replica, overlapped with the previous slice's wait) is a small share
+SHARED_SLICE_S = 0.02
 
 REFERENCE_KV_BYTES_PER_TOKEN = 50_000  # docs/pdd.md: a flagship 1T model has ~50 KB of KV per token
 JITTERS = ("constant", "lognormal", "trace", "stalls")
@@ -186,6 +193,7 @@ class LinkModel:
         self._timer = timer
         self._origin = timer()
         self._tat: float | None = None  # arrival time of the last paced byte (link clock)
+        self._flows: dict[str, float] = {}  # `book`: each named stream's last booked arrival (link clock)
         self._epoch = next(_EPOCHS)  # key of this model's streams in _FLOW_TAT (new on reset)
         self._lock = threading.Lock()  # the pacer's state
         self._factors_lock = threading.Lock()  # the lazily drawn jitter (also read by transfer_time)
@@ -318,30 +326,51 @@ class LinkModel:
         with self._lock:
             self._origin = self._timer()
             self._tat = None
+            self._flows.clear()
             self._epoch = next(_EPOCHS)  # streams' arrival times were on the old clock
+
+    def _book_locked(self, mine: float | None, nbytes: float, chained: bool, now: float) -> float:
+        """Under the lock: the link time the last of `nbytes` arrives, for a stream whose last
+        booked byte arrives at `mine` (None: its first). The line carries one stream's bytes
+        after another's (bandwidth is shared)."""
+        line = now if self._tat is None else self._tat
+        if mine is not None and (chained or now <= mine + self.config.burst_gap_s):
+            # a backlogged stream chains on the line (its sleep overshoot doesn't leak into the
+            # rate; the quanta of one call were all ready at its start)
+            start = max(line, mine)
+        else:  # a new stream, or one idle past burst_gap_s, pays the propagation delay first
+            start = max(line, now + self.latency_at(now))
+        self._tat = self.arrival_end(start, nbytes)
+        return self._tat
 
     def _reserve(self, nbytes: float, chained: bool = False) -> float:
         """Book `nbytes` of the calling stream on the line; seconds it must wait so they 'arrive'
-        on time. The line carries one stream's bytes after another's (bandwidth is shared)."""
+        on time."""
         if not self.config.paced:
             return 0.0
         now = self.now()
         flows = _FLOW_TAT.get({})
         with self._lock:
             key = self._epoch
-            mine = flows.get(key)
-            line = now if self._tat is None else self._tat
-            if mine is not None and (chained or now <= mine + self.config.burst_gap_s):
-                # a backlogged stream chains on the line (its sleep overshoot doesn't leak into the
-                # rate; the quanta of one call were all ready at its start)
-                start = max(line, mine)
-            else:  # a new stream, or one idle past burst_gap_s, pays the propagation delay first
-                start = max(line, now + self.latency_at(now))
-            self._tat = self.arrival_end(start, nbytes)
-            tat = self._tat
+            tat = self._book_locked(flows.get(key), nbytes, chained, now)
         # copy: asyncio tasks may share the dict; a long-lived thread forgets other models' streams
         _FLOW_TAT.set({**flows, key: tat} if len(flows) < 64 else {key: tat})
         return tat - now
+
+    def book(self, flow: str, nbytes: float, chained: bool = False) -> Booking:
+        """Book `nbytes` (line bytes: this model's byte_scale is not applied) of a named stream:
+        the ledger of a line that senders in other processes share (`SharedLine`, serve/line.py).
+        Streams are named by their sender, not by the calling thread as `pace_sync`'s are."""
+        now = self.now()
+        if not self.config.paced or nbytes <= 0:  # nothing to carry (a clock reading): books nothing
+            return Booking(0.0, now, 0)
+        with self._lock:
+            others = sum(1 for f, t in self._flows.items() if f != flow and t > now)
+            tat = self._book_locked(self._flows.pop(flow, None), nbytes, chained, now)
+            self._flows[flow] = tat  # most recent last: the stalest streams are forgotten first
+            while len(self._flows) > MAX_SHARED_FLOWS:
+                del self._flows[next(iter(self._flows))]
+        return Booking(tat - now, now, others)
 
     def _quanta(self, nbytes: int) -> list[int]:
         q = PACE_QUANTUM_BYTES
@@ -365,6 +394,108 @@ class LinkModel:
             if wait > 0:
                 await asyncio.sleep(wait)
                 waited += wait
+        return waited
+
+
+@dataclass(frozen=True)
+class Booking:
+    """Bytes a sender booked on a shared line (`LinkModel.book`); crosses from the Line replica
+    to each Prefill replica."""
+
+    wait_s: float  # line seconds from `now_s` until the last booked byte arrives
+    now_s: float  # the line's time when it booked them
+    others: int  # other streams with bytes still on the line then: the sender did not have it alone
+
+
+class SharedLine:
+    """A sender's side of a line that several processes share: one line per site pair, whatever
+    the number of Prefill replicas (a second replica must not bring a second line's bandwidth).
+    The ledger (a `LinkModel` in the graph's `Line` deployment, serve/line.py) books every
+    sender's bytes; this side paces its streams on the bookings, as `LinkModel.pace_sync` does.
+
+    `book(flow, line_bytes, chained)` returns a future (`.result(timeout_s=)`, as a Serve
+    `DeploymentResponse`) of a `Booking`. A
+    stream books one slice (`SHARED_SLICE_S` of the line's mean rate) at a time and the next
+    slice's booking is in flight while it waits out the current one, so the call's latency is
+    hidden. Where the ledger can't be reached, the stream paces on `local` (this sender's own
+    line) and the failure is counted, never blocking the transfer."""
+
+    def __init__(self, local: LinkModel, book: Callable[[str, float, bool], Any], name: str,
+                 timeout_s: float = 5.0) -> None:
+        self.local, self._book, self.name, self.timeout_s = local, book, name, timeout_s
+        self.config, self.clock, self.byte_scale = local.config, local.clock, local.byte_scale
+        self._offset: float | None = None  # line time - local link time, from the latest booking
+        self.shared = 0  # bookings that found another stream on the line (the sender was not alone)
+        self.errors = 0  # bookings the ledger did not answer (paced locally instead)
+        self._lock = threading.Lock()
+
+    @property
+    def bandwidth_bps(self) -> float | None:
+        return self.config.bandwidth_bps
+
+    def now(self) -> float:
+        """The shared line's time (the local link's until the first booking)."""
+        return self.local.now() + (self._offset or 0.0)
+
+    def latency_at(self, t: float) -> float:
+        return self.local.latency_at(t)
+
+    def real_latency_s(self) -> float:
+        return self.clock.real(self.latency_at(self.now()))
+
+    def sync(self, booking: Booking, sent: float, got: float) -> None:
+        """Learn the line's clock from a booking sent at `sent` and answered at `got` (real)."""
+        with self._lock:
+            self._offset = booking.now_s - self.local.clock.emulated((sent + got) / 2 - self.local._origin)
+
+    def sync_clock(self) -> None:
+        """Read the line's clock once (a booking of nothing), so the times this sender reports
+        (`PrefillResult.link_t_s`) are the line's from the start. Blocking: off the event loop."""
+        sent = self.local._timer()
+        try:
+            b = self._book(f"{self.name}/clock", 0.0, False).result(timeout_s=self.timeout_s)
+        except Exception:  # noqa: BLE001 - the first booking will sync it instead
+            return
+        self.sync(b, sent, self.local._timer())
+
+    def _slices(self, nbytes: int) -> list[int]:
+        bw = self.config.bandwidth_bps
+        per = PACE_QUANTUM_BYTES if bw is None else max(
+            PACE_QUANTUM_BYTES, int(bw / 8 * SHARED_SLICE_S / self.byte_scale))
+        return [per] * (nbytes // per) + ([nbytes % per] if nbytes % per else [])
+
+    def pace_sync(self, nbytes: int) -> float:
+        """Block until `nbytes` (real bytes) may go; returns the real seconds waited."""
+        if not self.config.paced or nbytes <= 0:
+            return 0.0
+        flow = f"{self.name}/{threading.get_ident()}"
+        slices = self._slices(nbytes)
+        waited = 0.0
+        sent, pending = self.local._timer(), self._book(flow, slices[0] * self.byte_scale, False)
+        for i in range(len(slices)):
+            try:
+                b = pending.result(timeout_s=self.timeout_s)
+            except Exception as e:  # noqa: BLE001 - the ledger is gone or slow: this stream paces alone
+                with self._lock:
+                    self.errors += 1
+                if self.errors == 1:
+                    import logging
+
+                    logging.getLogger("pdd_serve").warning("shared line %s unreachable (%s): pacing this "
+                                                           "sender on its own line", self.name, e)
+                return waited + self.local.pace_sync(sum(slices[i:]))
+            got = self.local._timer()
+            self.sync(b, sent, got)
+            if b.others:
+                with self._lock:
+                    self.shared += 1
+            wake = (sent + got) / 2 + self.clock.real(b.wait_s)  # the ledger booked at about mid-call
+            if i + 1 < len(slices):  # the next slice is booked while this one waits out its time
+                sent, pending = got, self._book(flow, slices[i + 1] * self.byte_scale, True)
+            dt = wake - self.local._timer()
+            if dt > 0:
+                time.sleep(dt)
+                waited += dt
         return waited
 
 

@@ -23,6 +23,7 @@ from pdd_serve.transport.link import LinkModel
 CAT = costmodel.load_catalog()
 L70 = CAT.model("llama-3-70b")
 H100 = CAT.chip("h100-sxm")
+H20 = CAT.chip("h20")
 
 EMU = {"model": "llama-3-70b", "a": {"chip": "h100-sxm", "tp": 4}, "b": {"chip": "h20", "tp": 8}}
 
@@ -393,6 +394,37 @@ def test_inline_model_shape() -> None:
 # ---------------------------------------------------------------- the emulated comparison's pieces
 
 
+def test_a_decoders_batch_cap_is_the_graphs_or_its_chips() -> None:
+    """`decode_batch_cap`: a max_batch the graph sets wins; unemulated, the default; emulated, what
+    the chips step within the TPOT SLO and hold (no SLO: the pool alone), never below one."""
+    from pdd_serve.config import DEFAULT_MAX_BATCH
+    from pdd_serve.emulation.pacer import Emulation, decode_batch_cap
+
+    e = Emulation(H20, L70, 8)
+    pool = e.kv_capacity_tokens
+    assert decode_batch_cap(e, 7, 0.05, 4096, pool) == 7
+    assert decode_batch_cap(None, None, 0.05, 4096, pool) == DEFAULT_MAX_BATCH
+    slo = decode_batch_cap(e, None, 0.05, 4096, pool)
+    assert slo == costmodel.decode_batch_limit(H20, L70, 8, 0.05, 4096, pool) > DEFAULT_MAX_BATCH
+    assert decode_batch_cap(e, None, None, 4096, pool) == pool // 4096 > slo  # no SLO: the pool binds
+    assert decode_batch_cap(e, None, 1e-6, 4096, pool) == 1  # an SLO no batch meets: one at a time
+
+
+def test_the_simulator_caps_each_decoder_as_its_replica_does(tmp_path) -> None:
+    from evaluations.sim.emulated import load_scenario, sim_scenario_for
+    from pdd_serve.emulation.pacer import decode_batch_cap
+
+    sc = load_scenario("emulated_70b")
+    sim = sim_scenario_for(sc, out_dir=tmp_path)
+    pdd = sim.deployments["pdd"]
+    for spec in (pdd.main_decode, pdd.relay):
+        from pdd_serve.emulation.pacer import Emulation
+
+        e = Emulation(CAT.chip(spec.chip), L70, spec.chips_per_instance)
+        assert spec.max_batch == decode_batch_cap(e, None, sc.sla.tpot_s, 4096, e.kv_capacity_tokens)
+    assert pdd.main_decode.max_batch != pdd.relay.max_batch  # 8 x H20 and 4 x H100 differ
+
+
 def test_shipped_scenario_deploys_every_graph_emulated(tmp_path) -> None:
     from evaluations.harness import DEFAULT_GRAPHS, prepare_graphs
     from evaluations.sim.emulated import cost_per_hour, load_scenario, role_chips
@@ -626,11 +658,12 @@ def test_each_role_pool_is_what_its_emulated_chips_hold_and_costs_only_what_it_f
     """(HBM x chips - weights) / emulated KV per token, per role, in real blocks; the real memory is
     mapped on first touch, so a 70B's pool on 8 x H20 doesn't cost this host its gigabytes."""
     from pdd_serve.checkpoints import resolve_model
+    from pdd_serve.config import DEFAULT_MAX_BATCH
     from pdd_serve.engine.engine import Engine
     from pdd_serve.engine.sampling import SamplingParams
-    from pdd_serve.serve.common import load_engine
+    from pdd_serve.serve.common import batch_cap, load_engine
 
-    cfg = load_config({**_cross(), "model": {"path": str(model_dir)}})
+    cfg = load_config({**_cross(), "model": {"path": str(model_dir)}, "policy": {"tpot_slo_s": 0.05}})
     for role in ("prefill", "main_decode"):
         emu = build_emulation(cfg, role)
         before = _rss_bytes()
@@ -641,6 +674,16 @@ def test_each_role_pool_is_what_its_emulated_chips_hold_and_costs_only_what_it_f
             assert inner.pool.data.nbytes > 256 << 20
             assert _rss_bytes() - before < inner.pool.data.nbytes // 4
         assert float(inner.pool.data[-1].abs().sum()) == 0.0  # and reads as zeros
+        # the batch cap is the chips' too: prefill keeps the default, a decoder the largest batch its
+        # chips step within the TPOT SLO with every sequence at the model's 4K positions, in its pool
+        cap = batch_cap(cfg, role, eng)
+        ctx = inner.args.max_position_embeddings
+        assert cap == (DEFAULT_MAX_BATCH if role == "prefill" else
+                       costmodel.decode_batch_limit(emu.chip, emu.model, emu.tp, 0.05, ctx,
+                                                    inner.pool.num_blocks * inner.block_size))
+        if role == "main_decode":
+            assert cap > DEFAULT_MAX_BATCH  # 8 x H20 step far more than 32 sequences within 50 ms
+            assert emu.decode_s(cap, cap * ctx) <= 0.05 < emu.decode_s(cap + 1, (cap + 1) * ctx)
     # the tokens are the engine's own with a lazily mapped pool
     ref = Engine.from_pretrained(resolve_model(str(model_dir)))
     prompt = [(i * 5 + 3) % 400 + 10 for i in range(40)]

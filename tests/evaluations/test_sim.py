@@ -637,3 +637,25 @@ def test_router_ledger_counts_transfers_still_queued_at_prefill() -> None:
     assert a.pipeline == "P-MD" and b.pipeline == "P-RLD-MD", (a.reason, b.reason)
     # one RLD finished first stays until it should have crossed, then the next look drops it
     assert not sim._line().backlog and not sim.ledger
+
+
+def test_two_prefill_replicas_share_the_one_line() -> None:
+    """One line per site pair (pdd_serve's `Line` deployment): two cold transfers from two Prefill
+    replicas at once share its rate, as two from one replica would; a second replica brings no
+    second line."""
+    sc = load_scenario("cpu_validate")
+    dep = sc.deployments["pd_cross_dc"]
+    two = dataclasses.replace(dep, prefill=dataclasses.replace(dep.prefill, count=2 * dep.prefill.chips_per_instance))
+
+    def kv_landed(d: Any, n: int) -> tuple[Simulation, list[SimRequest]]:
+        sim = Simulation(sc, d, Workload([], [], 16))
+        sim.wl.requests[:] = [SimRequest(i, 0.0, 801, 4, tuple(range(1 + 1000 * i, 51 + 1000 * i))) for i in range(n)]
+        sim.run()
+        return sim, sim.wl.requests
+
+    _, (alone,) = kv_landed(dep, 1)
+    sim, both = kv_landed(two, 2)
+    assert sim.ps[0].pacer is sim.ps[1].pacer
+    assert {r.p for r in both} == {0, 1} and all(r.pipeline == "P-MD" for r in both)
+    # 2 x 1.6 MB on the line at once: each lands near twice as late as alone (on a line each: as late)
+    assert min(r.t_kv_md for r in both) > 1.6 * alone.t_kv_md

@@ -51,6 +51,9 @@ def graph(ray_two_sites, tmp_path_factory):
     for d in app_emu["deployments"]:
         if d["name"] == "MainDecode":
             d["num_replicas"] = 1
+        if d["name"] == "Prefill":  # two senders on the graph's one line (site a's 4 CPUs hold them)
+            d["num_replicas"] = 2
+            d["ray_actor_options"]["num_cpus"] = 0.25
     doc = {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": port},
            "applications": [dev["applications"][0], app_prod, app_emu]}
     path = tmp_path_factory.mktemp("graph") / "graphs.yaml"
@@ -162,10 +165,37 @@ def test_emulated_chips_keep_greedy_output_identical_on_every_path(graph, ref_en
         assert info["handoff_mode"] == pdd["handoff_mode"]
     stats = {name: [h.stats.remote().result(timeout_s=60) for h in _replicas(name, "pdd_emu")]
              for name in ("Prefill", "MainDecode")}
-    emu = stats["Prefill"][0].extra["emulation"]
-    assert emu["chip"] == "h100-sxm" and emu["prefill_steps"] > 0 and emu["time_scale"] == 3
+    emus = [st.extra["emulation"] for st in stats["Prefill"]]  # two replicas: one of them prefilled it
+    assert all(e["chip"] == "h100-sxm" and e["time_scale"] == 3 for e in emus)
+    assert sum(e["prefill_steps"] for e in emus) > 0
     md = stats["MainDecode"][0].extra["emulation"]
     assert md["chip"] == "h20" and (md["decode_steps"] > 0 or pdd["pipeline"] == "P-RLD")
+
+
+def test_two_prefill_replicas_book_on_the_graphs_one_line(graph, ref_engine):
+    """The emulated graph runs two Prefill replicas and one Line: both replicas book on it (each
+    reads its clock at start), a second replica brings no line of its own, and transfers through
+    it keep the tokens identical. (The sharing itself: tests/transport/test_link.py.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prefills = _replicas("Prefill", "pdd_emu")
+    assert len(prefills) == 2
+    from pdd_serve.serve.pinning import replica_actors
+
+    assert len(replica_actors("pdd_emu", "Line")) == len(replica_actors("pdd", "Line")) == 1
+    line = _handle("Line", "pdd_emu")
+    prompts = [_cold_prompt(seed, 600) for seed in (21, 22, 23)]
+    with ThreadPoolExecutor(3) as ex:
+        outs = list(ex.map(lambda p: _complete(f"{graph}/emu", p, 8, {"pipeline": "P-MD"}, ignore_eos=True), prompts))
+    for out, ref in zip(outs, greedy_refs(ref_engine, [(p, 8) for p in prompts])):
+        assert out["choices"][0]["token_ids"] == ref and out["pdd"]["wan_bytes"] > 0
+    st = line.stats.remote().result(timeout_s=60)
+    ids = {h.stats.remote().result(timeout_s=60).extra["replica"] for h in prefills}
+    assert ids <= set(st["senders"]) and len(ids) == 2, (ids, st)
+    assert st["bookings"] > 0 and st["line_bytes"] >= sum(o["pdd"]["wan_bytes"] for o in outs) * 0.99
+    for h in prefills:
+        extra = h.stats.remote().result(timeout_s=60).extra
+        assert extra["line_errors"] == 0
 
 
 def test_greedy_output_is_token_identical_on_every_path(graph, ref_engine):

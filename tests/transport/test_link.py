@@ -12,7 +12,13 @@ import pytest
 from pdd_serve.engine.kv import KVLayout
 from pdd_serve.transport import link as link_mod
 from pdd_serve.transport.flight import KVFlightClient, KVFlightServer
-from pdd_serve.transport.link import REFERENCE_KV_BYTES_PER_TOKEN, BandwidthEstimator, LineConfig, LinkModel
+from pdd_serve.transport.link import (
+    REFERENCE_KV_BYTES_PER_TOKEN,
+    BandwidthEstimator,
+    LineConfig,
+    LinkModel,
+    SharedLine,
+)
 from tests.helpers import make_blocks
 
 MB = 1_000_000
@@ -161,6 +167,70 @@ def test_concurrent_streams_share_the_line(monkeypatch: pytest.MonkeyPatch) -> N
     assert now[0] + big.run(m._reserve, q, True) == pytest.approx(0.05 + 3 * q / 1e6)
 
 
+class _Answered:
+    """A booking call that has its answer (a Serve DeploymentResponse's `result`)."""
+
+    def __init__(self, value) -> None:  # noqa: ANN001
+        self.value = value
+
+    def result(self, timeout_s: float | None = None):  # noqa: ANN201
+        if isinstance(self.value, Exception):
+            raise self.value
+        return self.value
+
+
+def _sender(ledger: LinkModel, name: str, **kw) -> SharedLine:  # noqa: ANN003
+    """A Prefill replica's side of the one line: its own link object (as another process has),
+    booking every byte on the shared ledger."""
+    local = LinkModel(ledger.config, **kw)
+    return SharedLine(local, lambda flow, n, chained: _Answered(ledger.book(flow, n, chained)), name)
+
+
+def test_two_senders_share_one_line() -> None:
+    """Two Prefill replicas' transfers at once take the line's rate between them, not each the
+    whole line (a second replica must not bring a second line's bandwidth). Lower bounds only:
+    pacing never finishes early, whatever the machine's load."""
+    ledger = LinkModel(bandwidth_bps=8e6, one_way_latency_s=0.01)  # 1 MB/s
+    a, b = _sender(ledger, "p0"), _sender(ledger, "p1")
+    t0 = time.monotonic()
+    a.pace_sync(300_000)  # alone: the line's rate
+    assert time.monotonic() - t0 >= 0.3 and a.shared == 0
+    time.sleep(0.05)  # past burst_gap_s: the next transfers start afresh
+    done: dict[str, float] = {}
+
+    def push(s: SharedLine) -> None:
+        s.pace_sync(300_000)
+        done[s.name] = time.monotonic()
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=push, args=(s,)) for s in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # 600 KB on a 1 MB/s line: the last lands after 0.6 s; on two lines each would land at 0.3 s
+    assert max(done.values()) - t0 >= 0.6
+    assert a.shared > 0 and b.shared > 0  # each met the other's stream: neither feeds the estimate
+    assert a.errors == b.errors == 0
+
+
+def test_a_shared_line_counts_emulated_bytes_keeps_the_line_clock_and_survives_its_ledger() -> None:
+    ledger = LinkModel(bandwidth_bps=8e6)
+    time.sleep(0.2)  # the Line replica started before this sender
+    s = _sender(ledger, "p0", byte_scale=10.0)  # each real byte stands for 10 of the emulated model's
+    assert s.now() < ledger.now() - 0.1  # before a booking: this sender's own clock
+    s.sync_clock()
+    assert s.now() == pytest.approx(ledger.now(), abs=0.05)
+    t0 = time.monotonic()
+    s.pace_sync(20_000)  # 200 KB on the line
+    assert time.monotonic() - t0 >= 0.2
+    # the ledger unreachable: the transfer paces on this sender's own line, counted, never blocked
+    gone = SharedLine(LinkModel(bandwidth_bps=8e6), lambda *a: _Answered(RuntimeError("Line replica died")), "p1")
+    t0 = time.monotonic()
+    gone.pace_sync(100_000)
+    assert gone.errors == 1 and time.monotonic() - t0 >= 0.1
+
+
 def test_real_flight_stream_holds_the_paced_rate() -> None:
     # Behavioural rate check, 10% tolerance, not a performance benchmark: the pacer must make a real
     # loopback Flight stream run at the link's configured rate over a >= 2 s transfer.
@@ -171,6 +241,11 @@ def test_real_flight_stream_holds_the_paced_rate() -> None:
     with KVFlightServer("127.0.0.1", layout=layout, token="t", max_bytes_per_request=64 << 20) as srv:
         srv.expect("paced", kv.num_blocks)
         c = KVFlightClient(srv.location, "t", layout=layout, batch_blocks=8, deadline_s=30, link=link)
+        # a first unpaced push warms what a process does once (the channel, Arrow's first encode): a
+        # test run alone would otherwise count ~0.3 s of it against the line's rate
+        srv.expect("warm", 8)
+        KVFlightClient(srv.location, "t", layout=layout, batch_blocks=8, deadline_s=30).push("warm", [make_blocks(layout, 8)])
+        srv.wait_complete_sync("warm", 10)
         t0 = time.monotonic()
         c.push("paced", [kv])
         srv.wait_complete_sync("paced", 10)
