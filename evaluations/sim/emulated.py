@@ -196,16 +196,6 @@ def repeat_ratios(per_repeat: list[Mapping[str, Mapping[str, Any]]], pdd: str, c
     return out
 
 
-if __name__ == "__main__":  # python -m evaluations.sim.emulated APP: the pacer stats of a running graph
-    import os
-    import sys
-
-    import ray
-
-    ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level="error", log_to_driver=False)
-    print(json.dumps(collect_pacer_stats(sys.argv[1])))
-
-
 # ---------------------------------------------------------------- the simulator's world
 
 
@@ -317,3 +307,29 @@ def sim_scenario_for(sc: EmulatedScenario, graphs: list[Any] | None = None, out_
     path.write_text("# the emulated scenario as the simulator reads it (evaluations/sim/emulated.py)\n"
                     + yaml.safe_dump(sim_scenario_doc(sc, graphs), sort_keys=False))
     return load_sim_scenario(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import os
+
+    ap = argparse.ArgumentParser(
+        prog="python -m evaluations.sim.emulated",
+        description="Print one JSON line: the pacer counts of every live engine replica of a running emulated "
+                    "graph, merged per role and over the graph (steps, overruns and overrun shares per kind: "
+                    "prefill, decode, import, export; the unpaced share). Run it beside a long probe to see "
+                    "whether the run still measures the emulated chips (every overrun share under 5%) or "
+                    "this machine's CPU. The cluster is RAY_ADDRESS (with RAY_AUTH_MODE=token and its "
+                    "RAY_AUTH_TOKEN_PATH: `eval \"$(pdd cluster env)\"`; a compare's own cluster keeps its "
+                    "state in .pdd/eval-cluster).")
+    ap.add_argument("app", help="the Serve application's name (a compare deploys each graph as `pdd`)")
+    args = ap.parse_args(argv)
+    import ray
+
+    ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level="error", log_to_driver=False)
+    print(json.dumps(collect_pacer_stats(args.app)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

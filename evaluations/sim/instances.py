@@ -116,13 +116,26 @@ class PrefillInstance:
 
     def _done(self, pieces: list[tuple[PrefillJob, int, int]]) -> None:
         now = self.sim.now
+        finished = []
         for job, n, ctx in pieces:
             self.backlog -= n
             if job.t_first_chunk < 0:
                 job.t_first_chunk = now
                 self.sim.stream_start(job, self)
             if ctx + n == job.ctx0 + job.total:
-                self.sim.prefill_done(job, self)
+                finished.append(job)
+        # pdd_serve's Prefill copies a finished prompt's KV out for the relay on its engine thread,
+        # paced at the NIC, before the prefill returns: the replica is busy and the request waits
+        export = sum(self.sim.relay_export_s(job.req, self) for job in finished)
+        if export > 0:
+            self.busy_s += export
+            self.sim.at(now + export, self._exported, finished)
+            return
+        self._exported(finished)
+
+    def _exported(self, finished: list[PrefillJob]) -> None:
+        for job in finished:
+            self.sim.prefill_done(job, self)
         self._start()
 
 

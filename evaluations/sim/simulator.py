@@ -386,6 +386,15 @@ class Simulation:
             del self.kv_wait[r.rid]
             self.at(w[1], self._kv_at_md, r)
 
+    def relay_export_s(self, r: SimRequest, p: PrefillInstance) -> float:
+        """P's copy of the whole prompt's KV out of its pool for the relay (serve/prefill.py's
+        `to_relay`): on the relay pipelines, and on P->MD where a late switch may still take it
+        (orchestrator: `late_relay`), at the chip's NIC rate as the pacer charges an export."""
+        late = self.late_relay and r.pipeline == "P-MD" and "P-RLD-MD" in self.pol.pipelines
+        if r.pipeline not in ("P-RLD-MD", "P-RLD") and not late:
+            return 0.0
+        return kv_copy_time(r.prompt * self.model.kv_bytes_per_token, p.chip, p.chip)
+
     def _late_relay(self, r: SimRequest) -> None:
         """At the end of prefill: MD's prepare reply is in and shows a larger delta than the view
         promised, so P->MD may still switch to P->RLD->MD (the KV is in the object store)."""

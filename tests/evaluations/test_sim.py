@@ -659,3 +659,29 @@ def test_two_prefill_replicas_share_the_one_line() -> None:
     assert {r.p for r in both} == {0, 1} and all(r.pipeline == "P-MD" for r in both)
     # 2 x 1.6 MB on the line at once: each lands near twice as late as alone (on a line each: as late)
     assert min(r.t_kv_md for r in both) > 1.6 * alone.t_kv_md
+
+
+def test_prefill_pays_its_copy_of_the_prompt_for_the_relay() -> None:
+    """pdd_serve's Prefill copies the prompt's KV out for the relay on its engine thread (paced at
+    the NIC) before the prefill returns: on the relay pipelines, and on P->MD where a late switch
+    may still take it. The simulator charges the same copy; a graph without a relay pays none."""
+    from pdd_serve.emulation.costmodel import kv_copy_time
+
+    sc = load_scenario("cpu_validate")
+    dep = sc.deployments["pdd"]
+
+    def done_at(d: Any) -> tuple[Simulation, SimRequest]:
+        sim = Simulation(sc, d, Workload([], [], 16))
+        r = SimRequest(0, 0.0, 97, 4, tuple(range(1, 8)))  # short: its KV fits P->MD's budget
+        sim.wl.requests[:] = [r]
+        sim.run()
+        return sim, r
+
+    sim, with_copy = done_at(dep)
+    _, without = done_at(dataclasses.replace(dep, policy=dataclasses.replace(dep.policy, late_relay=False)))
+    copy = kv_copy_time(97 * sim.model.kv_bytes_per_token, sim.ps[0].chip, sim.ps[0].chip)
+    assert with_copy.pipeline == without.pipeline == "P-MD" and copy > 0
+    assert with_copy.t_prefill_done == pytest.approx(without.t_prefill_done + copy)
+    assert sim.relay_export_s(dataclasses.replace(with_copy, pipeline="P-RLD-MD"), sim.ps[0]) == pytest.approx(copy)
+    cross = Simulation(sc, sc.deployments["pd_cross_dc"], Workload([], [], 16))
+    assert cross.relay_export_s(with_copy, cross.ps[0]) == 0.0  # no relay: nothing to copy for
