@@ -236,7 +236,7 @@ class PolicyConfig:
     # larger than the view promised can still take P->RLD->MD at the end of prefill
     late_relay: bool = True
     # the time per output token the graph promises (emulated seconds): on emulated chips each
-    # decoder's batch stops where its step would take longer (None: only the pool caps the batch)
+    # decoder's batch stops where its step would take longer (None: the default batch cap)
     tpot_slo_s: float | None = None
 
     def __post_init__(self) -> None:

@@ -374,7 +374,7 @@ class Simulation:
         self._kv_part(r, t)
 
     def _resend(self, r: SimRequest) -> None:
-        """P sends the blocks a stale view left out (its own stream on the replica's pacer)."""
+        """P sends the blocks a stale view left out (its own stream on the line's pacer)."""
         self.ps[r.p].pacer.add(-1 - r.rid, self._resend_bytes(r), lambda t: self._kv_part(r, t + self.lat))
 
     def _kv_part(self, r: SimRequest, t: float) -> None:

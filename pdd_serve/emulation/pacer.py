@@ -92,16 +92,19 @@ class Emulation:
 
 def decode_batch_cap(e: Emulation | None, set_cap: int | None, tpot_s: float | None, ctx_per_seq: int,
                      pool_tokens: int) -> int:
-    """A decoder's batch cap: the graph's `max_batch` where it sets one; on emulated chips, the
-    largest batch they step within the TPOT SLO with every sequence at `ctx_per_seq` tokens (the
+    """A decoder's batch cap: the graph's `max_batch` where it sets one; on emulated chips with a
+    TPOT SLO, the largest batch they step within it with every sequence at `ctx_per_seq` tokens (the
     engine's context limit: any batch under the cap meets it) and whose KV fits the pool, at least
-    one; otherwise DEFAULT_MAX_BATCH. The serving graph and the simulator both take it from here."""
+    one; otherwise DEFAULT_MAX_BATCH (no larger than the pool holds). The serving graph and the
+    simulator both take it from here."""
     if set_cap is not None:
         return set_cap
     if e is None:
         return DEFAULT_MAX_BATCH
-    return max(1, decode_batch_limit(e.chip, e.model, e.tp, math.inf if tpot_s is None else tpot_s,
-                                     ctx_per_seq, pool_tokens))
+    if tpot_s is None:  # no SLO to size it by: the default, as an unemulated engine has
+        return max(1, min(DEFAULT_MAX_BATCH, decode_batch_limit(e.chip, e.model, e.tp, math.inf, ctx_per_seq,
+                                                                pool_tokens)))
+    return max(1, decode_batch_limit(e.chip, e.model, e.tp, tpot_s, ctx_per_seq, pool_tokens))
 
 
 def build_emulation(cfg: PDDConfig, role: str) -> Emulation | None:

@@ -111,7 +111,8 @@ def take_over(engine: EngineBackend, seq: Sequence, token_ids: list[int], who: s
 
 def batch_cap(cfg: PDDConfig, role: str, engine: EngineBackend) -> int:
     """The batch cap of a role's engine (`emulation.pacer.decode_batch_cap`): a decoder on emulated
-    chips gets what they step within `policy.tpot_slo_s` and hold in the pool it was given."""
+    chips gets what they step within `policy.tpot_slo_s` and hold in the pool it was given (vLLM's:
+    no more than its `max_num_seqs`)."""
     from pdd_serve.config import DEFAULT_MAX_BATCH
     from pdd_serve.emulation.pacer import decode_batch_cap
 
@@ -125,6 +126,8 @@ def batch_cap(cfg: PDDConfig, role: str, engine: EngineBackend) -> int:
     ctx = m.max_model_len or ModelArgs.from_checkpoint(resolve_model(m.path)).max_position_embeddings
     cap = decode_batch_cap(pacer.emulation, m.max_batch, cfg.policy.tpot_slo_s, ctx,
                            engine.pool.num_blocks * engine.block_size)
+    vllm_cap = getattr(engine, "max_num_seqs", None)  # vLLM schedules no more than its max_num_seqs
+    cap = min(cap, vllm_cap) if vllm_cap else cap
     logger.info("%s: decode batch cap %d (%s, TPOT SLO %s, %d-token contexts)", role, cap,
                 pacer.emulation.label(), cfg.policy.tpot_slo_s, ctx)
     return cap

@@ -4,11 +4,12 @@ A real line is one pipe between two datacenters: a second Prefill replica shares
 bring a second line's bandwidth. The emulated line (`transport.link.LinkModel`) is a ledger of
 bookings, so one replica holds it and every Prefill replica's Flight streams book their bytes on
 it (`transport.link.SharedLine`): the pacing, the Routers' backlog view (the sum of every
-sender's `line_state`, drained at the line's rate) and the simulator's one `SharedPacer` per line
-all see the same pipe. The catalog prices it per hour (`links.cross_dc`).
+sender's `line_state`, each draining its transfers at their share of the line, drained again at
+the line's rate) and the simulator's one `SharedPacer` per line all see the same pipe. The catalog prices it per hour (`links.cross_dc`).
 
-Only a paced cross-site graph has one (`needs_line`). It sits at the senders' site (a booking is
-an in-site call) and reserves no CPU: it books, it never carries a byte.
+Only a paced cross-site graph has one (`needs_line`), and it must have one replica (a second
+would split the ledger: keep `num_replicas` unset). It sits at the senders' site (a booking is an
+in-site call) and reserves no CPU: it books, it never carries a byte.
 """
 
 from __future__ import annotations
@@ -40,13 +41,15 @@ class Line:
         self.line_bytes = 0.0
         self.senders: set[str] = set()  # the replicas that booked or read the line's clock
 
-    def book(self, flow: str, nbytes: float, chained: bool) -> Booking:
+    # async: calls run one at a time on the replica's event loop (a booking never blocks), so the
+    # counters below need no lock; the ledger keeps its own for the pure model's callers
+    async def book(self, flow: str, nbytes: float, chained: bool) -> Booking:
         self.senders.add(flow.rsplit("/", 1)[0])
         if nbytes > 0:
             self.bookings += 1
             self.line_bytes += nbytes
         return self.ledger.book(flow, nbytes, chained)
 
-    def stats(self) -> dict:
+    async def stats(self) -> dict:
         return {"bookings": self.bookings, "line_bytes": self.line_bytes, "senders": sorted(self.senders),
                 "bandwidth_bps": self.ledger.bandwidth_bps, "now_s": self.ledger.now()}

@@ -115,7 +115,8 @@ class PrefillResult:
     wan_bytes: int  # bytes queued for the WAN (the blocks MD lacks)
     kv_ref: Any = None  # ray.ObjectRef of the prompt's KVBlocks (object store), for Relay
     link_bps: float | None = None  # Prefill's live estimate of the line (bits/s), None = unpaced
-    # the replica's link clock (emulated seconds since its pacer was made) when the call arrived:
+    # the line's clock (emulated seconds since the graph's Line, or the replica's own line, was made)
+    # when the call arrived:
     # where in the line's jitter the request fell, so the simulator can replay the same draw
     link_t_s: float | None = None
     # emulated bytes of the prompt's KV put into the object store for the relay (0: none exported)

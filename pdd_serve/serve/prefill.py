@@ -153,8 +153,8 @@ class Prefill:
         local = graph_link(cfg, self.engine.layout.bytes_per_token)
         self.link: LinkModel | SharedLine = local
         if line is not None:
-            self.link = SharedLine(local, lambda flow, n, chained: line.book.remote(flow, n, chained),
-                                   name=str(self.replica), timeout_s=self.clock.real(5.0))
+            book = line.options(method_name="book")  # made here, once: sender threads only call it
+            self.link = SharedLine(local, lambda flow, n, chained: book.remote(flow, n, chained), name=str(self.replica))
         # emulated: the line carries the emulated model's KV (this many bytes per real byte), on the
         # emulated clock; every byte count and time below that the routers plan with is in those units
         self.kv_scale = kv_scale(cfg, self.engine.layout.bytes_per_token)
@@ -393,7 +393,7 @@ class Prefill:
                                         link=self.link if self.link.config.paced else None)
                 stats = client.push(request_id, iter(feed))
                 with self._send_lock:  # sender threads and stats readers share the counters
-                    # none of this replica's began meanwhile, nor did another replica's share the line
+                    # none of this replica's began meanwhile, nor did another replica's stream share the line
                     alone = alone and self.transfers["started"] == started and getattr(self.link, "shared", 0) == shared
                     self.transfers["done"] += 1
                     self.transfers["bytes"] += stats.bytes_sent
@@ -423,6 +423,11 @@ class Prefill:
         leaves the moment its push ends; meanwhile it drains at a fair share of the line)."""
         flows = list(self.on_line.values())
         bps = self.bw.bps
+        # on a shared line, this replica's transfers drain at their share of it: other replicas'
+        # streams take theirs (the Routers sum every replica's report)
+        others = self.link.others_now() if isinstance(self.link, SharedLine) else 0
+        if bps is not None and flows and others:
+            bps = bps * len(flows) / (len(flows) + others)
         left = wan_backlog(flows, self.link.now(), float("inf") if bps is None else bps / 8)
         return LineState(self.replica, tuple(b for b in left if b > 0), bps)
 

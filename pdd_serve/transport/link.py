@@ -49,6 +49,7 @@ MAX_SHARED_FLOWS = 1024  # streams a shared line's ledger remembers (the idle on
 # enough that concurrent senders interleave as TCP flows do, coarse enough that the booking call
 # (a Serve call to the Line replica, overlapped with the previous slice's wait) is a small share
 SHARED_SLICE_S = 0.02
+LEDGER_BACKOFF_S = 10.0  # after the shared line's ledger failed, a sender paces alone this long (real s)
 
 REFERENCE_KV_BYTES_PER_TOKEN = 50_000  # docs/pdd.md: a flagship 1T model has ~50 KB of KV per token
 JITTERS = ("constant", "lognormal", "trace", "stalls")
@@ -358,14 +359,16 @@ class LinkModel:
         return tat - now
 
     def book(self, flow: str, nbytes: float, chained: bool = False) -> Booking:
-        """Book `nbytes` (line bytes: this model's byte_scale is not applied) of a named stream:
-        the ledger of a line that senders in other processes share (`SharedLine`, serve/line.py).
-        Streams are named by their sender, not by the calling thread as `pace_sync`'s are."""
+        """Book `nbytes` (line bytes: this model's byte_scale is not applied) of a named stream,
+        `SENDER/STREAM`: the ledger of a line that senders in other processes share (`SharedLine`,
+        serve/line.py). `others` counts the streams of other senders with bytes still on the line
+        (a sender's own parallel streams are its business)."""
         now = self.now()
-        if not self.config.paced or nbytes <= 0:  # nothing to carry (a clock reading): books nothing
-            return Booking(0.0, now, 0)
+        sender = flow.rsplit("/", 1)[0]
         with self._lock:
-            others = sum(1 for f, t in self._flows.items() if f != flow and t > now)
+            others = sum(1 for f, t in self._flows.items() if t > now and f.rsplit("/", 1)[0] != sender)
+            if not self.config.paced or nbytes <= 0:  # nothing to carry (a clock reading): books nothing
+                return Booking(0.0, now, others)
             tat = self._book_locked(self._flows.pop(flow, None), nbytes, chained, now)
             self._flows[flow] = tat  # most recent last: the stalest streams are forgotten first
             while len(self._flows) > MAX_SHARED_FLOWS:
@@ -414,19 +417,23 @@ class SharedLine:
     sender's bytes; this side paces its streams on the bookings, as `LinkModel.pace_sync` does.
 
     `book(flow, line_bytes, chained)` returns a future (`.result(timeout_s=)`, as a Serve
-    `DeploymentResponse`) of a `Booking`. A
-    stream books one slice (`SHARED_SLICE_S` of the line's mean rate) at a time and the next
-    slice's booking is in flight while it waits out the current one, so the call's latency is
-    hidden. Where the ledger can't be reached, the stream paces on `local` (this sender's own
-    line) and the failure is counted, never blocking the transfer."""
+    `DeploymentResponse`) of a `Booking`. A call books one slice (`SHARED_SLICE_S` of the line's
+    mean rate) at a time: the first slice's round trip measures the call's latency and the line's
+    clock, and each next slice is booked while the current one is waited out, so the latency is
+    hidden. Where the ledger fails or is slow (`timeout_s` real seconds, not slowed by the graph's
+    time_scale: the Line is a same-site call), this sender paces on `local` (its own line) for
+    `LEDGER_BACKOFF_S` before trying it again, and counts the failure: a transfer never waits on a
+    lost ledger for more than one timeout."""
 
     def __init__(self, local: LinkModel, book: Callable[[str, float, bool], Any], name: str,
-                 timeout_s: float = 5.0) -> None:
-        self.local, self._book, self.name, self.timeout_s = local, book, name, timeout_s
+                 timeout_s: float = 2.0, sleep: Callable[[float], None] = time.sleep) -> None:
+        self.local, self._book, self.name, self.timeout_s, self._sleep = local, book, name, timeout_s, sleep
         self.config, self.clock, self.byte_scale = local.config, local.clock, local.byte_scale
-        self._offset: float | None = None  # line time - local link time, from the latest booking
-        self.shared = 0  # bookings that found another stream on the line (the sender was not alone)
+        self._offset: float | None = None  # line time - local link time, from the latest measured booking
+        self.shared = 0  # bookings that found another sender's stream on the line (this one not alone)
         self.errors = 0  # bookings the ledger did not answer (paced locally instead)
+        self._local_until = -math.inf  # after a failure, pace locally until this (real timer)
+        self._others: tuple[int, float] = (0, -math.inf)  # other senders' streams at the last booking, when
         self._lock = threading.Lock()
 
     @property
@@ -443,18 +450,50 @@ class SharedLine:
     def real_latency_s(self) -> float:
         return self.clock.real(self.latency_at(self.now()))
 
+    def others_now(self, max_age_s: float = 1.0) -> int:
+        """Other senders' streams on the line at this sender's last booking (0 once it is older
+        than `max_age_s` real seconds): what share of the line this sender's transfers get."""
+        n, at = self._others
+        return n if self.local._timer() - at <= max_age_s else 0
+
+    def _note(self, b: Booking) -> None:
+        with self._lock:
+            self.shared += b.others > 0
+            self._others = (b.others, self.local._timer())
+
     def sync(self, booking: Booking, sent: float, got: float) -> None:
-        """Learn the line's clock from a booking sent at `sent` and answered at `got` (real)."""
+        """Learn the line's clock from a booking sent at `sent` and answered at `got` (real): the
+        ledger read its clock about mid-call."""
         with self._lock:
             self._offset = booking.now_s - self.local.clock.emulated((sent + got) / 2 - self.local._origin)
+
+    def _fail(self, e: BaseException, pending: Any) -> None:
+        cancel = getattr(pending, "cancel", None)
+        if cancel is not None:  # a booking that comes late must not hold line time nobody uses
+            try:
+                cancel()
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+        with self._lock:
+            self.errors += 1
+            first = self._local_until < self.local._timer()
+            self._local_until = self.local._timer() + LEDGER_BACKOFF_S
+        if first:
+            import logging
+
+            logging.getLogger("pdd_serve").warning(
+                "shared line %s: the ledger did not answer (%s: %s); pacing this sender on its own line for "
+                "%gs", self.name, type(e).__name__, e, LEDGER_BACKOFF_S)
 
     def sync_clock(self) -> None:
         """Read the line's clock once (a booking of nothing), so the times this sender reports
         (`PrefillResult.link_t_s`) are the line's from the start. Blocking: off the event loop."""
-        sent = self.local._timer()
+        sent, pending = self.local._timer(), None
         try:
-            b = self._book(f"{self.name}/clock", 0.0, False).result(timeout_s=self.timeout_s)
-        except Exception:  # noqa: BLE001 - the first booking will sync it instead
+            pending = self._book(f"{self.name}/clock", 0.0, False)
+            b = pending.result(timeout_s=self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - the first booking will sync it instead
+            self._fail(e, pending)
             return
         self.sync(b, sent, self.local._timer())
 
@@ -468,34 +507,47 @@ class SharedLine:
         """Block until `nbytes` (real bytes) may go; returns the real seconds waited."""
         if not self.config.paced or nbytes <= 0:
             return 0.0
+        timer = self.local._timer
+        if timer() < self._local_until:  # the ledger failed lately
+            return self.local.pace_sync(nbytes)
         flow = f"{self.name}/{threading.get_ident()}"
         slices = self._slices(nbytes)
+        sent, pending = timer(), None
+        try:
+            pending = self._book(flow, slices[0] * self.byte_scale, False)
+            b = pending.result(timeout_s=self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - the ledger is gone or slow: this sender paces alone
+            self._fail(e, pending)
+            return self.local.pace_sync(nbytes)
+        got = timer()
+        self.sync(b, sent, got)
+        one_way = (got - sent) / 2  # the ledger books about this long after a call is sent
         waited = 0.0
-        sent, pending = self.local._timer(), self._book(flow, slices[0] * self.byte_scale, False)
         for i in range(len(slices)):
-            try:
-                b = pending.result(timeout_s=self.timeout_s)
-            except Exception as e:  # noqa: BLE001 - the ledger is gone or slow: this stream paces alone
-                with self._lock:
-                    self.errors += 1
-                if self.errors == 1:
-                    import logging
-
-                    logging.getLogger("pdd_serve").warning("shared line %s unreachable (%s): pacing this "
-                                                           "sender on its own line", self.name, e)
-                return waited + self.local.pace_sync(sum(slices[i:]))
-            got = self.local._timer()
-            self.sync(b, sent, got)
-            if b.others:
-                with self._lock:
-                    self.shared += 1
-            wake = (sent + got) / 2 + self.clock.real(b.wait_s)  # the ledger booked at about mid-call
-            if i + 1 < len(slices):  # the next slice is booked while this one waits out its time
-                sent, pending = got, self._book(flow, slices[i + 1] * self.byte_scale, True)
-            dt = wake - self.local._timer()
+            self._note(b)
+            wake = sent + one_way + self.clock.real(b.wait_s)
+            more = i + 1 < len(slices)
+            if more:  # the next slice is booked while this one is waited out
+                sent = timer()
+                try:
+                    pending = self._book(flow, slices[i + 1] * self.byte_scale, True)
+                except Exception as e:  # noqa: BLE001
+                    self._fail(e, None)
+                    pending = None
+            dt = wake - timer()
             if dt > 0:
-                time.sleep(dt)
+                self._sleep(dt)
                 waited += dt
+            if not more:
+                break
+            try:
+                if pending is None:
+                    raise RuntimeError("the booking could not be sent")
+                b = pending.result(timeout_s=self.timeout_s)
+            except Exception as e:  # noqa: BLE001
+                if pending is not None:
+                    self._fail(e, pending)
+                return waited + self.local.pace_sync(sum(slices[i + 1:]))
         return waited
 
 

@@ -406,7 +406,8 @@ def test_a_decoders_batch_cap_is_the_graphs_or_its_chips() -> None:
     assert decode_batch_cap(None, None, 0.05, 4096, pool) == DEFAULT_MAX_BATCH
     slo = decode_batch_cap(e, None, 0.05, 4096, pool)
     assert slo == costmodel.decode_batch_limit(H20, L70, 8, 0.05, 4096, pool) > DEFAULT_MAX_BATCH
-    assert decode_batch_cap(e, None, None, 4096, pool) == pool // 4096 > slo  # no SLO: the pool binds
+    assert decode_batch_cap(e, None, None, 4096, pool) == DEFAULT_MAX_BATCH  # no SLO to size it by: the default
+    assert decode_batch_cap(e, None, None, 4096, 10 * 4096) == 10  # ... no larger than the pool holds
     assert decode_batch_cap(e, None, 1e-6, 4096, pool) == 1  # an SLO no batch meets: one at a time
 
 

@@ -346,7 +346,7 @@ class _Clock:
 
 
 def test_shared_pacer_is_processor_sharing() -> None:
-    """pdd_serve's per-Prefill pacer interleaves concurrent streams batch by batch: two equal flows
+    """pdd_serve's line pacer interleaves concurrent streams batch by batch: two equal flows
     started together both end when 2x the bytes have crossed, and a small flow joining a big one
     is not queued behind it."""
     from evaluations.sim.line import SharedPacer

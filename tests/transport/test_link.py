@@ -231,6 +231,50 @@ def test_a_shared_line_counts_emulated_bytes_keeps_the_line_clock_and_survives_i
     assert gone.errors == 1 and time.monotonic() - t0 >= 0.1
 
 
+def test_a_lone_sender_on_a_shared_line_paces_exactly_as_on_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a fake clock and a 2 ms booking call: back-to-back calls take the line's own time
+    (each next slice is booked while the current one is waited out, and its wake-up counts from
+    when it was booked), and the sender reads the line's clock, not its own."""
+    now = [5.0]
+    ledger = LinkModel(bandwidth_bps=8e6, one_way_latency_s=0.05, timer=lambda: now[0])  # 1 MB/s
+    now[0] = 7.0  # the sender starts 2 s after the Line
+    calls = []
+
+    def book(flow: str, n: float, chained: bool) -> _Answered:
+        calls.append(n)
+        now[0] += 0.001  # half the call's round trip each way
+        b = ledger.book(flow, n, chained)
+        now[0] += 0.001
+        return _Answered(b)
+
+    s = SharedLine(LinkModel(ledger.config, timer=lambda: now[0]), book, "p0",
+                   sleep=lambda dt: now.__setitem__(0, now[0] + dt))
+    t0 = now[0]
+    for _ in range(10):
+        s.pace_sync(100_000)
+    assert now[0] - t0 == pytest.approx(ledger.transfer_time(10 * 100_000), abs=0.003)  # 1.05 s
+    assert len(calls) > 10  # 20 ms slices: several bookings a call
+    assert s.now() == pytest.approx(ledger.now(), abs=1e-6)
+    assert s.shared == 0 and s.others_now() == 0
+
+
+def test_a_senders_own_streams_are_not_others_and_a_lost_ledger_is_left_alone_a_while() -> None:
+    ledger = LinkModel(bandwidth_bps=8e6)
+    assert ledger.book("p0/1", 500_000).others == 0
+    assert ledger.book("p0/2", 500_000).others == 0  # its own parallel stream: the same sender
+    assert ledger.book("p1/1", 500_000).others == 2  # another replica's: it meets both
+    calls = []
+
+    def gone(*a) -> _Answered:  # noqa: ANN002
+        calls.append(a)
+        return _Answered(RuntimeError("Line replica died"))
+
+    s = SharedLine(LinkModel(bandwidth_bps=8e9), gone, "p2")
+    s.pace_sync(1000)
+    s.pace_sync(1000)  # within the backoff: its own line at once, the ledger not asked again
+    assert len(calls) == 1 and s.errors == 1
+
+
 def test_real_flight_stream_holds_the_paced_rate() -> None:
     # Behavioural rate check, 10% tolerance, not a performance benchmark: the pacer must make a real
     # loopback Flight stream run at the link's configured rate over a >= 2 s transfer.

@@ -152,6 +152,7 @@ class VllmEngine(EngineBase):
         if kw["block_size"] != VLLM_BLOCK_SIZE:
             raise ValueError(f"vllm.block_size is {VLLM_BLOCK_SIZE} for this backend")
         self.max_model_len = int(kw["max_model_len"])
+        self.max_num_seqs = int(kw["max_num_seqs"])  # vLLM schedules no more: a batch cap above it is empty
         try:
             self.llm = LLMEngine.from_engine_args(EngineArgs(**kw))
         except Exception as e:  # vLLM's reason, not a hang: the deploy fails with it
