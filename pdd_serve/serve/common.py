@@ -119,18 +119,18 @@ def batch_cap(cfg: PDDConfig, role: str, engine: EngineBackend) -> int:
     m = cfg.engine_for(role)
     pacer = getattr(engine, "pacer", None)  # a PacedEngine's
     if role == "prefill" or pacer is None:
-        return m.max_batch or DEFAULT_MAX_BATCH
-    from pdd_serve.checkpoints import resolve_model
-    from pdd_serve.engine.model import ModelArgs
+        cap = m.max_batch or DEFAULT_MAX_BATCH
+    else:
+        from pdd_serve.checkpoints import resolve_model
+        from pdd_serve.engine.model import ModelArgs
 
-    ctx = m.max_model_len or ModelArgs.from_checkpoint(resolve_model(m.path)).max_position_embeddings
-    cap = decode_batch_cap(pacer.emulation, m.max_batch, cfg.policy.tpot_slo_s, ctx,
-                           engine.pool.num_blocks * engine.block_size)
+        ctx = m.max_model_len or ModelArgs.from_checkpoint(resolve_model(m.path)).max_position_embeddings
+        cap = decode_batch_cap(pacer.emulation, m.max_batch, cfg.policy.tpot_slo_s, ctx,
+                               engine.pool.num_blocks * engine.block_size)
+        logger.info("%s: decode batch cap %d (%s, TPOT SLO %s, %d-token contexts)", role, cap,
+                    pacer.emulation.label(), cfg.policy.tpot_slo_s, ctx)
     vllm_cap = getattr(engine, "max_num_seqs", None)  # vLLM schedules no more than its max_num_seqs
-    cap = min(cap, vllm_cap) if vllm_cap else cap
-    logger.info("%s: decode batch cap %d (%s, TPOT SLO %s, %d-token contexts)", role, cap,
-                pacer.emulation.label(), cfg.policy.tpot_slo_s, ctx)
-    return cap
+    return min(cap, vllm_cap) if vllm_cap else cap
 
 
 def emulation_stats(engine: EngineBackend, max_batch: int | None = None) -> dict:

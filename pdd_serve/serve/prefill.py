@@ -422,13 +422,11 @@ class Prefill:
         """The bytes this replica still has to push across the line, per transfer (a transfer
         leaves the moment its push ends; meanwhile it drains at a fair share of the line)."""
         flows = list(self.on_line.values())
-        bps = self.bw.bps
-        # on a shared line, this replica's transfers drain at their share of it: other replicas'
-        # streams take theirs (the Routers sum every replica's report)
-        others = self.link.others_now() if isinstance(self.link, SharedLine) else 0
-        if bps is not None and flows and others:
-            bps = bps * len(flows) / (len(flows) + others)
-        left = wan_backlog(flows, self.link.now(), float("inf") if bps is None else bps / 8)
+        bps = self.bw.bps  # the line's rate, reported whole
+        # on a shared line, this replica's transfers drain at their share of it (other replicas'
+        # streams take theirs; the Routers sum every replica's report)
+        drain = None if bps is None else bps * (self.link.share() if isinstance(self.link, SharedLine) else 1.0)
+        left = wan_backlog(flows, self.link.now(), float("inf") if drain is None else drain / 8)
         return LineState(self.replica, tuple(b for b in left if b > 0), bps)
 
     def record_routing_stats(self) -> dict:

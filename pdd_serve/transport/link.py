@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import itertools
+import logging
 import math
 import threading
 import time
@@ -362,18 +363,19 @@ class LinkModel:
         """Book `nbytes` (line bytes: this model's byte_scale is not applied) of a named stream,
         `SENDER/STREAM`: the ledger of a line that senders in other processes share (`SharedLine`,
         serve/line.py). `others` counts the streams of other senders with bytes still on the line
-        (a sender's own parallel streams are its business)."""
+        (a sender's own parallel streams are its business), `mine` the caller's own, this one
+        included: the line is shared per stream."""
         now = self.now()
         sender = flow.rsplit("/", 1)[0]
         with self._lock:
-            others = sum(1 for f, t in self._flows.items() if t > now and f.rsplit("/", 1)[0] != sender)
             if not self.config.paced or nbytes <= 0:  # nothing to carry (a clock reading): books nothing
-                return Booking(0.0, now, others)
+                return Booking(0.0, now, 0)
             tat = self._book_locked(self._flows.pop(flow, None), nbytes, chained, now)
             self._flows[flow] = tat  # most recent last: the stalest streams are forgotten first
             while len(self._flows) > MAX_SHARED_FLOWS:
                 del self._flows[next(iter(self._flows))]
-        return Booking(tat - now, now, others)
+            on = [f.rsplit("/", 1)[0] == sender for f, t in self._flows.items() if t > now]
+        return Booking(tat - now, now, len(on) - sum(on), sum(on))
 
     def _quanta(self, nbytes: int) -> list[int]:
         q = PACE_QUANTUM_BYTES
@@ -407,7 +409,8 @@ class Booking:
 
     wait_s: float  # line seconds from `now_s` until the last booked byte arrives
     now_s: float  # the line's time when it booked them
-    others: int  # other streams with bytes still on the line then: the sender did not have it alone
+    others: int  # other senders' streams with bytes on the line then: the sender did not have it alone
+    mine: int = 0  # the sender's own streams on the line then, the booking's included
 
 
 class SharedLine:
@@ -433,7 +436,10 @@ class SharedLine:
         self.shared = 0  # bookings that found another sender's stream on the line (this one not alone)
         self.errors = 0  # bookings the ledger did not answer (paced locally instead)
         self._local_until = -math.inf  # after a failure, pace locally until this (real timer)
-        self._others: tuple[int, float] = (0, -math.inf)  # other senders' streams at the last booking, when
+        self._down = False  # the ledger is failing: warned once, recovery logged
+        # (own streams, other senders' streams) at the last booking, valid until its slice is waited out
+        self._share: tuple[int, int, float] = (0, 0, -math.inf)
+        self._ends = threading.local()  # per stream: when its last booked byte arrived (real timer)
         self._lock = threading.Lock()
 
     @property
@@ -450,16 +456,16 @@ class SharedLine:
     def real_latency_s(self) -> float:
         return self.clock.real(self.latency_at(self.now()))
 
-    def others_now(self, max_age_s: float = 1.0) -> int:
-        """Other senders' streams on the line at this sender's last booking (0 once it is older
-        than `max_age_s` real seconds): what share of the line this sender's transfers get."""
-        n, at = self._others
-        return n if self.local._timer() - at <= max_age_s else 0
+    def share(self) -> float:
+        """This sender's share of the line at its last booking, by streams (the ledger shares the
+        line per stream); 1 once that booking's slice has been waited out with no newer one."""
+        mine, others, until = self._share
+        return mine / (mine + others) if mine and self.local._timer() <= until else 1.0
 
-    def _note(self, b: Booking) -> None:
+    def _note(self, b: Booking, wake: float) -> None:
         with self._lock:
             self.shared += b.others > 0
-            self._others = (b.others, self.local._timer())
+            self._share = (b.mine, b.others, wake + self.clock.real(SHARED_SLICE_S))
 
     def sync(self, booking: Booking, sent: float, got: float) -> None:
         """Learn the line's clock from a booking sent at `sent` and answered at `got` (real): the
@@ -476,14 +482,29 @@ class SharedLine:
                 pass
         with self._lock:
             self.errors += 1
-            first = self._local_until < self.local._timer()
+            first, self._down = not self._down, True
             self._local_until = self.local._timer() + LEDGER_BACKOFF_S
         if first:
-            import logging
-
             logging.getLogger("pdd_serve").warning(
-                "shared line %s: the ledger did not answer (%s: %s); pacing this sender on its own line for "
-                "%gs", self.name, type(e).__name__, e, LEDGER_BACKOFF_S)
+                "shared line %s: the ledger did not answer (%s: %s); pacing this sender on its own line, "
+                "asking the ledger again every %gs", self.name, type(e).__name__, e, LEDGER_BACKOFF_S)
+
+    def _use_ledger(self) -> bool:
+        """Whether this call books on the ledger: yes while it answers; after a failure, no until
+        the backoff ends, then one call probes it while the others stay on their own line."""
+        with self._lock:
+            now = self.local._timer()
+            if now < self._local_until:
+                return False
+            if self._down:  # the probe: the others wait no timeout while it finds out
+                self._local_until = now + self.timeout_s
+            return True
+
+    def _up(self) -> None:
+        if self._down:
+            with self._lock:
+                self._down, self._local_until = False, -math.inf
+            logging.getLogger("pdd_serve").warning("shared line %s: the ledger answers again", self.name)
 
     def sync_clock(self) -> None:
         """Read the line's clock once (a booking of nothing), so the times this sender reports
@@ -492,8 +513,9 @@ class SharedLine:
         try:
             pending = self._book(f"{self.name}/clock", 0.0, False)
             b = pending.result(timeout_s=self.timeout_s)
-        except Exception as e:  # noqa: BLE001 - the first booking will sync it instead
-            self._fail(e, pending)
+        except Exception:  # noqa: BLE001 - the Line may still be starting: the first booking syncs it
+            if pending is not None and hasattr(pending, "cancel"):
+                pending.cancel()
             return
         self.sync(b, sent, self.local._timer())
 
@@ -508,24 +530,30 @@ class SharedLine:
         if not self.config.paced or nbytes <= 0:
             return 0.0
         timer = self.local._timer
-        if timer() < self._local_until:  # the ledger failed lately
+        if not self._use_ledger():  # the ledger failed lately
             return self.local.pace_sync(nbytes)
         flow = f"{self.name}/{threading.get_ident()}"
         slices = self._slices(nbytes)
+        # a stream that ends one call and starts the next within the line's burst gap goes on
+        # chaining: decided here, since the booking call's own delay must not read as idle time
+        last = getattr(self._ends, "t", -math.inf)
+        chained = timer() - last <= self.clock.real(self.config.burst_gap_s)
         sent, pending = timer(), None
         try:
-            pending = self._book(flow, slices[0] * self.byte_scale, False)
+            pending = self._book(flow, slices[0] * self.byte_scale, chained)
             b = pending.result(timeout_s=self.timeout_s)
         except Exception as e:  # noqa: BLE001 - the ledger is gone or slow: this sender paces alone
             self._fail(e, pending)
             return self.local.pace_sync(nbytes)
         got = timer()
+        self._up()
         self.sync(b, sent, got)
         one_way = (got - sent) / 2  # the ledger books about this long after a call is sent
         waited = 0.0
         for i in range(len(slices)):
-            self._note(b)
             wake = sent + one_way + self.clock.real(b.wait_s)
+            self._note(b, wake)
+            self._ends.t = wake
             more = i + 1 < len(slices)
             if more:  # the next slice is booked while this one is waited out
                 sent = timer()

@@ -255,14 +255,34 @@ def test_a_lone_sender_on_a_shared_line_paces_exactly_as_on_its_own(monkeypatch:
     assert now[0] - t0 == pytest.approx(ledger.transfer_time(10 * 100_000), abs=0.003)  # 1.05 s
     assert len(calls) > 10  # 20 ms slices: several bookings a call
     assert s.now() == pytest.approx(ledger.now(), abs=1e-6)
-    assert s.shared == 0 and s.others_now() == 0
+    assert s.shared == 0 and s.share() == 1.0
+
+
+def test_a_senders_share_of_the_line_is_by_streams_while_it_sends() -> None:
+    """What Prefill's line_state drains its transfers at: its streams over every stream on the
+    line at its last booking, the whole line once that slice is waited out."""
+    now = [0.0]
+    ledger = LinkModel(bandwidth_bps=8e6, timer=lambda: now[0])
+    ledger.book("p9/1", 1_000_000)  # another replica's 1 MB on the line
+    seen = []
+
+    def sleep(dt: float) -> None:
+        seen.append(s.share())
+        now[0] += dt
+
+    s = SharedLine(LinkModel(ledger.config, timer=lambda: now[0]),
+                   lambda f, n, c: _Answered(ledger.book(f, n, c)), "p0", sleep=sleep)
+    s.pace_sync(100_000)
+    assert seen and all(x == 0.5 for x in seen) and s.shared > 0
+    now[0] += 1.0
+    assert s.share() == 1.0
 
 
 def test_a_senders_own_streams_are_not_others_and_a_lost_ledger_is_left_alone_a_while() -> None:
     ledger = LinkModel(bandwidth_bps=8e6)
-    assert ledger.book("p0/1", 500_000).others == 0
-    assert ledger.book("p0/2", 500_000).others == 0  # its own parallel stream: the same sender
-    assert ledger.book("p1/1", 500_000).others == 2  # another replica's: it meets both
+    assert (ledger.book("p0/1", 500_000).others, ledger.book("p0/2", 500_000).others) == (0, 0)  # its own streams
+    b = ledger.book("p1/1", 500_000)  # another replica's stream meets both of p0's
+    assert (b.others, b.mine) == (2, 1)
     calls = []
 
     def gone(*a) -> _Answered:  # noqa: ANN002
@@ -273,6 +293,8 @@ def test_a_senders_own_streams_are_not_others_and_a_lost_ledger_is_left_alone_a_
     s.pace_sync(1000)
     s.pace_sync(1000)  # within the backoff: its own line at once, the ledger not asked again
     assert len(calls) == 1 and s.errors == 1
+    s.sync_clock()  # a clock read that fails (the Line still starting) is no outage
+    assert s.errors == 1
 
 
 def test_real_flight_stream_holds_the_paced_rate() -> None:
