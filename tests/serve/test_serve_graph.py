@@ -210,7 +210,11 @@ def test_greedy_output_is_token_identical_on_every_path(graph, ref_engine):
             # the 2.4 MB prompt KV needs >1 s over the 16 Mbit/s link: RLD streams eager tokens meanwhile
             assert info["eager_tokens"] > 0 and info["md_tokens"] > 0, info
             assert info["handoff_mode"] == pdd["handoff_mode"]
-            assert info["handoff_batches"] >= (2 if pdd["handoff_mode"] == "catch-up" else 1), info
+            # catch-up takes rounds while more than handoff_batch_tokens (8) are pending
+            # (policy.catchup_done); a prefill slowed by a loaded CPU streams most of the KV while it
+            # computes, so RLD may have made no more than that by the time it lands: one final extend
+            rounds = 2 if pdd["handoff_mode"] == "catch-up" and info["eager_tokens"] > 8 else 1
+            assert info["handoff_batches"] >= rounds, info
             assert info["kv_ready_s"] is not None and info["wan_bytes"] > 2_000_000
         if pdd["pipeline"] == "P-RLD":
             assert info["wan_bytes"] == 0 and info["md_tokens"] == 0
