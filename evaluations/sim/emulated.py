@@ -199,16 +199,6 @@ def repeat_ratios(per_repeat: list[Mapping[str, Mapping[str, Any]]], pdd: str, c
 # ---------------------------------------------------------------- the simulator's world
 
 
-def real_kv_bytes_per_token(model: Any) -> int:
-    """KV bytes per token of the real small model an engine runs (`model`: a ModelConfig)."""
-    from pdd_serve.checkpoints import resolve_model
-    from pdd_serve.engine.kv import KVLayout
-    from pdd_serve.engine.model import ModelArgs
-
-    a = ModelArgs.from_checkpoint(resolve_model(model.path))
-    return KVLayout(a.num_layers, a.num_kv_heads, a.head_dim, model.block_size, model.kv_dtype).bytes_per_token
-
-
 def decode_caps(cfg: PDDConfig) -> dict[str, int]:
     """Each emulated decoder role's batch cap, as its replica computes it (serve/common.batch_cap):
     its chips, the TPOT SLO, the engine's context limit and the pool its chips hold."""
@@ -234,13 +224,14 @@ def sim_scenario_doc(sc: EmulatedScenario, graphs: list[Any]) -> dict[str, Any]:
     the pool its emulated chips hold, as the engines size it). `graphs`: the prepared graphs (evaluations.harness.PreparedGraph)."""
     import dataclasses
 
+    from pdd_serve.serve.common import kv_bytes_per_token
     from pdd_serve.serve.prefill import PREFILL_CHUNK_TOKENS
 
     shape = sc.model
     model = {k: v for k, v in dataclasses.asdict(shape).items() if k not in ("name",) and v is not None}
     model["name"] = shape.name
     first = graphs[0].cfg
-    real_bpt = real_kv_bytes_per_token(first.engine_for("prefill"))
+    real_bpt = kv_bytes_per_token(first.engine_for("prefill"))
 
     def prefix_gb(role: str) -> float:
         """A role's prefix cache as its engine sizes it (serve/common.load_engine): half the pool

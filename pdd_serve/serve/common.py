@@ -144,13 +144,13 @@ def emulation_stats(engine: EngineBackend, max_batch: int | None = None) -> dict
     return {"emulation": {**p.stats(), **p.params(), **pool}}
 
 
-def role_kv_bytes_per_token(cfg: PDDConfig, role: str) -> int:
-    """Real KV bytes per token of one role's engine, from its checkpoint's shape (no engine built)."""
+def kv_bytes_per_token(m: ModelConfig) -> int:
+    """Real KV bytes per token of an engine of `m` (a role's effective config), from its
+    checkpoint's shape (no engine built)."""
     from pdd_serve.checkpoints import resolve_model
     from pdd_serve.engine.kv import KVLayout
     from pdd_serve.engine.model import ModelArgs
 
-    m = cfg.engine_for(role)
     a = ModelArgs.from_checkpoint(resolve_model(m.path))
     return KVLayout(a.num_layers, a.num_kv_heads, a.head_dim, m.block_size, m.kv_dtype).bytes_per_token
 

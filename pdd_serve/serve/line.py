@@ -17,7 +17,7 @@ from __future__ import annotations
 from ray import serve
 
 from pdd_serve.config import PDDConfig
-from pdd_serve.serve.common import graph_link, role_kv_bytes_per_token
+from pdd_serve.serve.common import graph_link, kv_bytes_per_token
 from pdd_serve.transport.link import Booking, LinkModel
 
 
@@ -36,7 +36,7 @@ def shared_ledger(cfg: PDDConfig, real_bytes_per_token: int) -> LinkModel:
 @serve.deployment(num_replicas=1, max_ongoing_requests=1024)
 class Line:
     def __init__(self, cfg: PDDConfig) -> None:
-        self.ledger = shared_ledger(cfg, role_kv_bytes_per_token(cfg, "prefill"))
+        self.ledger = shared_ledger(cfg, kv_bytes_per_token(cfg.engine_for("prefill")))
         self.bookings = 0
         self.line_bytes = 0.0
         self.senders: set[str] = set()  # the replicas that booked or read the line's clock
