@@ -143,7 +143,8 @@ def blind(sc: Any, graphs: list[PreparedGraph], cap: CapacityConfig, overhead_s:
             key = (next(calls), probe_requests(sc, cap, rate))  # probe k of a search sends load k, as the compare does
             if key not in loads:
                 loads[key] = probe_load(agentic_spec(sc, key[1], key[0]), placeholder_answers)
-            return sim_workload(at_rate(loads[key], rate, gap), bs, loads[key].answers)
+            answers = loads[key].answers if sc.context_scale == 1 else None  # single-turn: nothing fed back
+            return sim_workload(at_rate(loads[key], rate, gap), bs, answers, sc.context_scale)
 
         start = cap.start_rps or first_guess(sc)
         # simulated probes cost seconds: walk out faster and allow more of them than the measured search
@@ -179,7 +180,7 @@ def blind_report(sc: Any, overhead_s: float, out_dir: Path, cap: CapacityConfig 
         b = {n: rows[n]["bcr"][k] for n in rows}
         head[f"blind_bcr_gain_vs_same_dc{sfx}"] = gain(b.get(PDD), b.get(SAME))
         head[f"blind_bcr_gain_vs_cross_dc{sfx}"] = gain(b.get(PDD), b.get(CROSS))
-    return _round(head)
+    return rounded(head)
 
 
 def first_guess(sc: Any) -> float:
@@ -245,8 +246,8 @@ def run_capacity(sc: Any, graphs: list[PreparedGraph], cap: CapacityConfig, env:
     generate = reference_generator(str(resolve_model(ref.path)), block_size=ref.block_size)
     loads: dict[tuple[int, int], ProbeLoad] = {}
 
-    def load_k(k: int, rate: float) -> ProbeLoad:
-        key = (k, probe_requests(sc, cap, rate))
+    def load_k(k: int, rate: float, n: int | None = None) -> ProbeLoad:
+        key = (k, n or probe_requests(sc, cap, rate))
         if key not in loads:
             t = time.monotonic()
             loads[key] = probe_load(agentic_spec(sc, key[1], k), generate)
@@ -257,8 +258,12 @@ def run_capacity(sc: Any, graphs: list[PreparedGraph], cap: CapacityConfig, env:
     order = [calib] + [g for g in probed if g is not calib]
     out: dict[str, GraphProbes] = {g.name: GraphProbes(g) for g in probed}
     gap = gap_s(sc)
+    measure = dict(getattr(sc, "measure", None) or {})
     head: dict[str, Any] = {"mode": ("check: each graph probed at its blind bracket's two rates (not a search)"
-                                     if check_blind else "search: bracket within max_gap")}
+                                     if check_blind else
+                                     f"measure: every graph at one rate, {measure.get('requests', cap.requests)} "
+                                     "requests (the scenario's `measure:`; not a search)" if measure else
+                                     "search: bracket within max_gap")}
     predicted: dict[str, dict[str, Any]] = {}
     with eval_cluster(env, log) as denv:
         for g in order:
@@ -280,8 +285,8 @@ def run_capacity(sc: Any, graphs: list[PreparedGraph], cap: CapacityConfig, env:
                 calls = iter(range(10_000))
 
                 def probe(rate: float, gp: GraphProbes = gp, url: str = url, g: PreparedGraph = g,
-                          calls: Iterator[int] = calls) -> Probe:
-                    pl = load_k(next(calls), rate)
+                          calls: Iterator[int] = calls, n: int | None = None) -> Probe:
+                    pl = load_k(next(calls), rate, n)
                     recs = drive(url, at_rate(pl, rate, gap), load, desc=f"{g.name} @{rate:.3g}/s", log=log,
                                  progress=progress, settle_s=settle_for(g))
                     gp.records[rate] = recs
@@ -293,7 +298,15 @@ def run_capacity(sc: Any, graphs: list[PreparedGraph], cap: CapacityConfig, env:
                     return p
 
                 pred = predicted.get(g.name, {})
-                if check_blind:
+                if measure and not check_blind:  # one rate, fixed before the run: the scenario's, else the common rate
+                    rate = float(measure.get("rate_rps") or head.get("common_rate_rps") or 0.0)
+                    if rate <= 0:
+                        raise EvalError("measure: no rate (set measure.rate_rps: the cross-DC PD's blind capacity was 0)")
+                    head["measured_rate_rps"] = rate
+                    probe(rate, n=int(measure.get("requests", cap.requests)))
+                    if g.name in (PDD, CROSS):
+                        gp.common_rate = gp.records[rate]
+                elif check_blind:
                     for rate in pred.get("capacity_bracket") or []:
                         if rate:
                             probe(rate)
@@ -314,7 +327,30 @@ def run_capacity(sc: Any, graphs: list[PreparedGraph], cap: CapacityConfig, env:
                 except Exception as e:  # noqa: BLE001 - the probes stand; the overrun is unknown, said so
                     log(f"warning: {g.name}: pacer counts: {e}")
     head.update(capacity_headline(sc, out, predicted, cap, graphs))
+    if measure and not check_blind:
+        one_rate(head, out, sc)
     return {"graphs": out, "blind": predicted, "headline": head}
+
+
+def one_rate(h: dict[str, Any], out: Mapping[str, GraphProbes], sc: Any) -> None:
+    """A `measure:` run probed each graph once: what was measured at that rate replaces the
+    capacity keys, which one probe can't give (a bracket needs a rate met and one missed), and the
+    measured BCR gains with them; the blind prediction's stay, labelled blind."""
+    for name, gp in out.items():
+        v = h["graphs"][name]
+        recs = [r for rs in gp.records.values() for r in rs]
+        s = summarize_run(recs, sc.sla) if recs else {}
+        p = gp.probes[0] if gp.probes else None
+        v["at_rate"] = rounded({"rate_rps": p.rate if p else None, "n": p.n if p else 0,
+                               "attainment": p.attainment if p else None, "met_sla": p.met(sc.sla.attainment) if p else None,
+                               "shed_503": p.shed_503 if p else 0, "ttft_p50_s": s.get("ttft_p50_s"),
+                               "ttft_p90_s": s.get("ttft_p90_s"), "tpot_p90_s": s.get("tpot_p90_s"),
+                               "rld_token_share": s.get("rld_token_share"), "pipelines": s.get("pipelines")})
+        v.update(capacity_rps=None, capacity_bracket=[None, None], bracket_tight=False, bcr=None,
+                 bcr_relative=dict.fromkeys(v["bcr_relative"]), blind_rel_err=None)
+    for k in [k for k in h if k.startswith(("bcr_gain_vs_", "blind_capacity_max_rel_err"))]:
+        h[k] = None
+    h["min_requests_per_probe"] = min((gp.probes[0].n for gp in out.values() if gp.probes), default=0)
 
 
 # ---------------------------------------------------------------- figures
@@ -333,7 +369,8 @@ def capacity_headline(sc: Any, out: Mapping[str, GraphProbes], predicted: Mappin
     from pdd_serve.emulation.pacer import PACED_KINDS, build_emulation, merge_stats
 
     prices = {"market": {}, **{f"b_{r:g}x_a": sc.relative_prices(r) for r in RELATIVE_PRICES}}
-    h: dict[str, Any] = {"emulated": True, "scenario": sc.name, "time_scale": sc.time_scale, "context_scale": 1,
+    h: dict[str, Any] = {"emulated": True, "scenario": sc.name, "time_scale": sc.time_scale,
+                         "context_scale": getattr(sc, "context_scale", 1),
                          "priced": "every replica whole, and the inter-DC line",
                          # below 100 (a scenario's smaller `capacity.requests`) a probe can't tell 85% from 90%
                          "min_requests_per_probe": cap.search.min_requests, "deployments": {}}
@@ -411,7 +448,7 @@ def capacity_headline(sc: Any, out: Mapping[str, GraphProbes], predicted: Mappin
     h["outputs_identical"] = answered > 0 and not any(v["mismatched"] for v in per.values())
     h["errors"] = errors
     h["report_margins"] = REPORT_MARGINS
-    return {k: _round(v) for k, v in h.items()}
+    return {k: rounded(v) for k, v in h.items()}
 
 
 def _by_pipeline(gp: GraphProbes, key: str) -> dict[str, list[int]]:
@@ -423,13 +460,13 @@ def _by_pipeline(gp: GraphProbes, key: str) -> dict[str, list[int]]:
     return out
 
 
-def _round(v: Any) -> Any:
+def rounded(v: Any) -> Any:
     if isinstance(v, float):
         return round(v, 4) if math.isfinite(v) else None
     if isinstance(v, dict):
-        return {k: _round(x) for k, x in v.items()}
+        return {k: rounded(x) for k, x in v.items()}
     if isinstance(v, list):
-        return [_round(x) for x in v]
+        return [rounded(x) for x in v]
     return v
 
 
@@ -456,6 +493,16 @@ def capacity_table(h: Mapping[str, Any]) -> str:
     cols = [("graph", "graph", "s"), ("chips", "chips", "s"), ("$/h", "cost", ".2f"), ("capacity req/s", "capacity", ".3g"),
             ("bracket", "bracket", "s"), ("blind", "blind", ".3g"), ("probes", "probes", "d"), ("BCR req/$", "bcr", ".1f")]
     cols += [(f"BCR {k[4:]}", k, ".1f") for k in rows[0] if k.startswith("bcr ")] if rows else []
+    return simple_table(rows, cols)
+
+
+def one_rate_table(h: Mapping[str, Any]) -> str:
+    from evaluations.report import simple_table
+
+    rows = [{"graph": g, **v["at_rate"], "cost": v["cost_per_hour"]} for g, v in h["graphs"].items() if "at_rate" in v]
+    cols = [("graph", "graph", "s"), ("$/h", "cost", ".2f"), ("rate req/s", "rate_rps", ".3g"), ("n", "n", "d"),
+            ("attainment", "attainment", ".2f"), ("P50 TTFT s", "ttft_p50_s", ".2f"), ("P90 TTFT s", "ttft_p90_s", ".2f"),
+            ("P90 TPOT s", "tpot_p90_s", ".3f"), ("RLD tokens", "rld_token_share", ".3f"), ("503", "shed_503", "d")]
     return simple_table(rows, cols)
 
 
@@ -521,7 +568,7 @@ def run_capacity_compare(sc: Any, graph_paths: tuple[str, ...], env: EvalEnv, lo
         from evaluations.tracking import flat_metrics
 
         run = tracker.start(f"capacity {sc.name}", tags={"kind": "capacity"})
-        params = {**sc.params(), "context_scale": 1, "probe_requests": cap.requests,
+        params = {**sc.params(), "probe_requests": cap.requests,
                   "search.attainment": cap.search.attainment, "search.max_gap": cap.search.max_gap, "command": command}
         metrics = flat_metrics({k: v for k, v in head.items() if k not in ("deployments", "report_margins")})
         tracker.log(run, params, metrics, arts)
@@ -529,7 +576,7 @@ def run_capacity_compare(sc: Any, graph_paths: tuple[str, ...], env: EvalEnv, lo
     log(f"artifacts in {out_dir}")
     print(f"EMULATED ({sc.name}, time_scale {sc.time_scale:g}: every time and rate is emulated, not a measured GPU "
           f"figure): {command}", flush=True)
-    print(capacity_table(head), flush=True)
+    print(one_rate_table(head) if head.get("measured_rate_rps") else capacity_table(head), flush=True)
     for k, v in REPORT_MARGINS.items():
         print(f"  {k:<30} measured {head.get(k)!s:>8}   report {v}", flush=True)
     print(json.dumps(head), flush=True)

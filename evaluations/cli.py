@@ -263,7 +263,9 @@ def _add_compare(p: argparse.ArgumentParser) -> None:
                         "probes of >= 100 requests whose later turns carry the reference answers; a calibration "
                         "step and the simulator's blind prediction come first. BCR = capacity per $/h of every "
                         "chip (replicas priced whole) and the line, at market and the report's relative prices. "
-                        "Default graphs: pd_same_dc, pd_cross_dc, pdd. About 60-75 minutes here at time_scale 20")
+                        "Default graphs: pd_same_dc, pd_cross_dc, pdd. About 60-75 minutes here at time_scale 20. "
+                        "A scenario with `measure:` (report_64k: 1K-token answers) runs every graph at one rate "
+                        "instead of searching (0.8 x the strong cross-DC PD's blind capacity unless it sets rate_rps)")
 
 
 def _run_compare(args: argparse.Namespace) -> int:
@@ -292,7 +294,15 @@ def _run_compare(args: argparse.Namespace) -> int:
                 scenario = dataclasses.replace(scenario, time_scale=float(Clock(args.time_scale).time_scale))
             except ValueError as e:
                 raise _usage(f"pdd compare: error: --time-scale: {e}") from None
+        if scenario.context_scale != 1 and not args.capacity:  # the replay below counts real prompt tokens
+            raise _usage(f"pdd compare: error: {scenario.name} runs at context_scale {scenario.context_scale}: "
+                         "run it with --capacity (the makespan compare's replay does not scale prompts)")
+        from evaluations.workloads import AgenticWorkload
+
+        shape = {f.name for f in dataclasses.fields(AgenticWorkload)}
         for k, v in scenario.workload.items():  # the scenario's workload shape, over the flags' defaults
+            if not hasattr(args, k) and args.capacity and k in shape:
+                continue  # --capacity builds its probes from the scenario's workload itself (agentic_spec)
             if not hasattr(args, k):
                 raise _usage(f"pdd compare: error: {scenario.path}: workload.{k}: unknown agentic workload setting")
             setattr(args, k, v)

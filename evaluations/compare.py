@@ -162,13 +162,14 @@ def request_floor(same_dc_ttft_s: float, pipeline: str, wan_bytes: int, latency_
 
 def modeled_prefill_s(prompt_tokens: int, hit: float, p: Any, chunk: int) -> float:
     """Emulated seconds of one request's prefill alone on its chip (`p`: the role's Emulation):
-    the chunks past its prefix hit, as the engine runs them."""
-    n = prompt_tokens
+    the chunks past its prefix hit, as the engine runs them (real tokens; each a prompt's, so
+    context_scale emulated ones)."""
+    n, k = prompt_tokens, p.context_scale
     done = min(n - 1, int(hit * n))
     total = 0.0
     while done < n:
         step = min(chunk, n - done)
-        total += p.prefill_s(step, done)
+        total += p.prefill_s(step * k, done * k)
         done += step
     return total
 
@@ -190,7 +191,8 @@ def modeled_floor(r: RequestRecord, cfg: PDDConfig, latency_s: float, bandwidth_
     cross = cfg.sites.prefill != cfg.sites.main_decode
     hops = first_token_hops(pipeline, stream_first_token) if cross else 0
     wire = int(r.pdd.get("wan_bytes") or 0) * 8 / bandwidth_bps if cross and bandwidth_bps else 0.0
-    return max(pre, wire) + hops * latency_s + build_emulation(cfg, "main_decode").decode_s(1, r.prompt_tokens)
+    md = build_emulation(cfg, "main_decode")
+    return max(pre, wire) + hops * latency_s + md.decode_s(1, r.prompt_tokens * md.context_scale)
 
 
 def floors(results: Mapping[str, GraphResult], stream_first_token: bool = False) -> dict[str, dict[str, Any]]:
@@ -415,7 +417,7 @@ def software_overhead_real_s(res: GraphResult | None, clock: Clock) -> tuple[flo
 def _overhead_of(r: RequestRecord, p: Any, md: Any, clock: Clock, chunk: int) -> float:
     """One request's real seconds outside the modeled prefill chunks and first decode step."""
     modeled = modeled_prefill_s(r.prompt_tokens, r.pdd.get("prefix_hit_p") or 0.0, p, chunk)
-    modeled += md.decode_s(1, r.prompt_tokens)
+    modeled += md.decode_s(1, r.prompt_tokens * md.context_scale)
     return clock.real(r.ttft_s - modeled)
 
 

@@ -178,6 +178,8 @@ def prepare_graphs(paths: Sequence[str | Path], out_dir: Path, http_port: int, l
         if emulate is not None:  # an EmulatedScenario (evaluations/sim/emulated.py): chips per graph
             args["emulate"] = emulate.emulate_block(str(args.get("graph", p.stem)))
             args["time_scale"] = emulate.time_scale
+            if emulate.context_scale != 1:
+                args["context_scale"] = emulate.context_scale
             # the SLA's TPOT caps each decoder's batch on its chips (pdd_serve.emulation.pacer.decode_batch_cap)
             args["policy"]["tpot_slo_s"] = emulate.sla.tpot_s
         if "expose_cache_hits" in {f.name for f in dataclasses.fields(ServerConfig)}:
@@ -237,7 +239,7 @@ def link_params(g: PreparedGraph) -> dict[str, Any]:
     except Exception:  # params only: a missing spec must not stop a run
         kv = 2048
     if g.cfg.emulated:  # the bytes on the line are the emulated model's
-        kv = build_emulation(g.cfg, "prefill").kv_bytes_per_token
+        kv = build_emulation(g.cfg, "prefill").model.kv_bytes_per_token
     lm = g.cfg.link.line(kv, raw=g.cfg.emulated)  # the line's configured rate, per emulated byte when emulated
     out.update({"link.bandwidth_bps": lm.bandwidth_bps, "link.one_way_latency_s": lm.one_way_latency_s,
                 "link.jitter": lm.jitter, "link.sigma": lm.sigma, "link.epoch_s": lm.epoch_s,

@@ -20,6 +20,7 @@ from pdd_serve.emulation.clock import MAX_TIME_SCALE
 from pdd_serve.transport.link import LineConfig, preset_config, trace_values
 
 PIPELINES = ("P-MD", "P-RLD-MD", "P-RLD")
+MAX_CONTEXT_SCALE = 1024  # one real prompt token for at most this many emulated ones
 DEFAULT_MAX_BATCH = 32  # an engine's batch cap where the graph sets none and no emulated chip gives one
 ENGINE_ROLES = ("prefill", "relay", "main_decode")  # the roles that run an engine (`engines:` keys)
 HANDOFF_MODES = ("auto", "one-shot", "catch-up")
@@ -152,7 +153,7 @@ class EngineOverrides:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
 
 
-EMULATE_FIELDS = ("model", "chip", "tp")
+EMULATE_FIELDS = ("model", "chip", "tp", "batch_context_tokens")
 # HBM an emulated chip keeps for activations, graphs and fragmentation (the simulator's default):
 # the KV room left is checked here at load, and the pacer's engine pool holds it (emulation/pacer.py)
 MEM_RESERVE_FRACTION = 0.1
@@ -168,6 +169,10 @@ class EmulateEntry:
     model: Any = None  # a shape of pdd_serve/emulation/costmodel.yaml by name, or one inline (a mapping)
     chip: str | None = None  # a chip of the same catalog
     tp: int | None = None  # chips per replica (tensor parallel); must divide the attention heads
+    # the context per sequence (emulated tokens) a decoder's batch cap is sized for: every sequence
+    # of a capped batch at this length still steps within the TPOT SLO. What a vLLM user sets as
+    # --max-model-len for their workload; None: the engine's context limit x context_scale
+    batch_context_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.model is None or (isinstance(self.model, str) and self.model) or isinstance(self.model, dict),
@@ -175,6 +180,8 @@ class EmulateEntry:
         _require(self.chip is None or (isinstance(self.chip, str) and bool(self.chip)),
                  f"chip must name a chip, got {self.chip!r}")
         _require(self.tp is None or (_is_int(self.tp) and self.tp >= 1), f"tp must be an int >= 1, got {self.tp!r}")
+        _require(self.batch_context_tokens is None or (_is_int(self.batch_context_tokens) and self.batch_context_tokens >= 1),
+                 f"batch_context_tokens must be an int >= 1 (emulated tokens), got {self.batch_context_tokens!r}")
 
     def set_fields(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in EMULATE_FIELDS if getattr(self, f) is not None}
@@ -373,8 +380,18 @@ class PDDConfig:
     # slow motion (emulation/clock.py): every modeled step, link delay and cross-site timeout is this
     # many times longer in real time, and reported times divide it back; one for the whole graph
     time_scale: float = 1.0
+    # the report's regime on a small model (issue 40): one real PROMPT token stands for this many
+    # emulated tokens in every cost (prefill FLOPs and attention, KV bytes on the line, in the pool
+    # and copied, decode attention, the policy's prompt-length thresholds); generated tokens count
+    # 1:1. 32 maps the 16-token block to 512 and a 256-token chunk to 8,192. Emulated graphs only
+    context_scale: int = 1
 
     def __post_init__(self) -> None:
+        cs = self.context_scale
+        _require(_is_int(cs) and 1 <= cs <= MAX_CONTEXT_SCALE,
+                 f"context_scale must be an int in [1, {MAX_CONTEXT_SCALE}], got {cs!r}")
+        _require(cs == 1 or bool(self.emulate),
+                 f"context_scale {cs} scales an emulated graph's costs, and this graph has no emulate: block")
         ts = self.time_scale
         _require(isinstance(ts, (int, float)) and not isinstance(ts, bool) and 0 < ts < MAX_TIME_SCALE,
                  f"time_scale must be a number in (0, 1e6), got {ts!r}")
@@ -476,11 +493,12 @@ class PDDConfig:
                          f"{tpw}: tp {tp} does not divide {model.name}'s {model.heads} attention heads "
                          f"({kvh} KV heads): tensor parallelism splits heads across chips")
             room = costmodel.kv_capacity_tokens(chip, model, tp, MEM_RESERVE_FRACTION)
-            need = self.engine_for(role).max_model_len or 4096
+            need = (self.engine_for(role).max_model_len or 4096) * self.context_scale  # emulated tokens
             _require(room >= need,
                      f"{where['chip']}: {model.name} ({model.weight_bytes / 1e9:.0f} GB of weights) on {tp} x "
                      f"{chip.name} ({chip.mem_gb:g} GB each) leaves KV room for {room} tokens, "
-                     f"under one {need}-token request: raise {tpw} or pick a larger chip")
+                     f"under one {need}-token request: raise {tpw} or pick a larger chip"
+                     + (f" (or lower context_scale, now {self.context_scale})" if self.context_scale > 1 else ""))
             models[role] = model
         shapes = {r: m.name for r, m in models.items()}
         _require(len(set(models.values())) == 1,
@@ -620,9 +638,9 @@ def load_config(args: dict[str, Any] | PDDConfig | None) -> PDDConfig:
     if isinstance(args, PDDConfig):
         return args
     args = dict(args or {})
-    unknown = sorted(set(args) - set(_SECTIONS) - {"graph", "engines", "emulate", "time_scale"})
+    unknown = sorted(set(args) - set(_SECTIONS) - {"graph", "engines", "emulate", "time_scale", "context_scale"})
     if unknown:
-        raise ConfigError(f"unknown top-level arg(s) {unknown}; valid: graph, engines, emulate, time_scale, "
+        raise ConfigError(f"unknown top-level arg(s) {unknown}; valid: graph, engines, emulate, time_scale, context_scale, "
                           f"{', '.join(_SECTIONS)}")
     model = args.get("model")
     if isinstance(model, str):  # `model: /path/to/ckpt` shorthand
@@ -641,7 +659,8 @@ def load_config(args: dict[str, Any] | PDDConfig | None) -> PDDConfig:
     if flight.token is None and os.environ.get("PDD_FLIGHT_TOKEN"):
         kw["flight"] = dataclasses.replace(flight, token=os.environ["PDD_FLIGHT_TOKEN"])
     return PDDConfig(graph=str(args.get("graph", "pdd")), engines=_build_engines(args.get("engines")),
-                     emulate=_build_emulate(args.get("emulate")), time_scale=args.get("time_scale", 1.0), **kw)
+                     emulate=_build_emulate(args.get("emulate")), time_scale=args.get("time_scale", 1.0),
+                     context_scale=args.get("context_scale", 1), **kw)
 
 
 def load_graph_yaml(path: str | Path, app_index: int = 0) -> PDDConfig:

@@ -34,16 +34,21 @@ def block_ids(tokens: list[int] | tuple[int, ...], block_size: int, ids: dict[in
     return tuple(ids.setdefault(h, len(ids) + 1) for h in block_hashes(list(tokens), block_size))
 
 
-def sim_workload(wl: Workload, block_size: int, answers: Mapping[tuple[str, int], list[int]] | None = None) -> SimWorkload:
+def sim_workload(wl: Workload, block_size: int, answers: Mapping[tuple[str, int], list[int]] | None = None,
+                 context_scale: int = 1) -> SimWorkload:
     """An open-loop probe (evaluations/open_loop.py: one request per session, fixed send times) as
     the simulator's requests. With `answers`, a decoder caches the prompt and its answer when it is
-    done, as the engines do, so a later turn's decode-side hit comes out of the simulation."""
+    done, as the engines do, so a later turn's decode-side hit comes out of the simulation. At
+    `context_scale` k a real prompt token is k of the simulator's tokens and a block k x
+    `block_size` (the serving graph's costs, config.PDDConfig.context_scale); output stays 1:1."""
+    if context_scale != 1 and answers:
+        raise ValueError("context_scale > 1 takes single-turn requests: an answer fed back would be scaled")
     ids: dict[int, int] = {}
     reqs = []
     for rid, s in enumerate(sorted(wl.sessions, key=lambda s: s.start_s)):
         (t,) = s.turns
         prompt = list(t.tokens)
-        r = SimRequest(rid, s.start_s, len(prompt), t.max_tokens, block_ids(prompt, block_size, ids),
+        r = SimRequest(rid, s.start_s, len(prompt) * context_scale, t.max_tokens, block_ids(prompt, block_size, ids),
                        "anomalous" if t.kind == "anomalous" else "normal")
         sid, _, k = s.session_id.rpartition("#")
         ans = (answers or {}).get((sid, int(k))) if sid else None
@@ -51,7 +56,7 @@ def sim_workload(wl: Workload, block_size: int, answers: Mapping[tuple[str, int]
             r.decoded_blocks = block_ids(prompt + list(ans)[:-1], block_size, ids)
         reqs.append(r)
     warm = [(0, block_ids(list(w.turns[0].tokens), block_size, ids)) for w in wl.warmup]
-    return SimWorkload(reqs, warm, block_size, f"{wl.name}: {len(reqs)} open-loop requests")
+    return SimWorkload(reqs, warm, block_size * context_scale, f"{wl.name}: {len(reqs)} open-loop requests")
 
 
 def probe_in_sim(sc: Scenario, graph: str, wl: SimWorkload) -> Probe:

@@ -82,6 +82,11 @@ def _add_simulate(p: argparse.ArgumentParser) -> None:
                         "emulated_70b): each graph's capacity (highest rate with 90%% of requests within the SLA) "
                         "and BCR (every replica priced whole, and the line; market and the report's relative "
                         "prices), from the scenario alone: what `pdd compare --emulate NAME --capacity` then measures")
+    p.add_argument("--report-scale", action="store_true",
+                   help="with --capacity-of: the same blind prediction at the report's chip budgets (88 A for "
+                        "same-DC; 43 A + 32 B + one line for PDD and the cross-DC PD), each graph's best split of "
+                        "its replicas between roles, the line grown with the MDs; BCR, P90 TTFT at a common rate "
+                        "and the RLD token share beside the report's figures (evaluations/report_scale.py)")
     p.add_argument("--overhead-ms", type=float, default=0.0,
                    help="with --capacity-of: the serving software's time per request in REAL ms (the compare "
                         "measures its own in a calibration step; default: %(default)s)")
@@ -148,8 +153,17 @@ def _run_blind(args: argparse.Namespace) -> int:
         raise UsageError("pdd simulate: error: --overhead-ms must be >= 0")
     try:
         sc = load_scenario(args.capacity_of)
-        out = blind_report(sc, Clock(sc.time_scale).emulated(args.overhead_ms / 1e3),
-                           Path(tempfile.mkdtemp(prefix="pdd-blind-")))
+        overhead = Clock(sc.time_scale).emulated(args.overhead_ms / 1e3)
+        if args.report_scale:
+            from evaluations.report_scale import report_scale, report_table
+
+            out = report_scale(sc, overhead, Path(tempfile.mkdtemp(prefix="pdd-report-scale-")))
+            print(report_table(out))
+            if args.out:
+                Path(args.out).write_text(json.dumps(out, indent=2))
+            print(_json_line(out))
+            return 0
+        out = blind_report(sc, overhead, Path(tempfile.mkdtemp(prefix="pdd-blind-")))
     except (ScenarioError, ValueError) as e:
         raise UsageError(f"pdd simulate: error: {e}") from None
     print(f"BLIND PREDICTION for {sc.name} (simulated, from the scenario file alone):")
@@ -169,6 +183,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
 
     if args.capacity_of:
         return _run_blind(args)
+    if args.report_scale:
+        raise UsageError("pdd simulate: error: --report-scale goes with --capacity-of SCENARIO")
 
     modes = sum(bool(x) for x in (args.trace, args.rate is not None, args.bathtub, args.tail_curve))
     if modes > 1:

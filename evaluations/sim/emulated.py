@@ -34,7 +34,8 @@ from pdd_serve.emulation.pacer import build_emulation, decode_batch_cap, merge_s
 
 SCENARIO_DIR = Path(__file__).resolve().parents[1] / "scenarios"  # evaluations/scenarios, not sim/scenarios
 ENGINE_DEPLOYMENTS = {"prefill": "Prefill", "relay": "Relay", "main_decode": "MainDecode"}
-_KEYS = {"name", "description", "time_scale", "model", "chips", "link", "sla", "workload", "capacity"}
+_KEYS = {"name", "description", "time_scale", "context_scale", "batch_context_tokens", "model", "chips", "link", "sla", "workload", "capacity",
+         "measure"}
 # a report-scale relay is shared by many prefill instances, but this deployment rents its relay
 # replica whole, and BCR prices what is deployed (issue 40)
 _REMOVED = {"relay_cost_fraction": "every replica is priced whole now; to amortise a relay, deploy N Prefill : 1 Relay "
@@ -49,16 +50,27 @@ class EmulatedScenario(BaseScenario):
     workload: dict[str, Any] = field(default_factory=dict)
     # the capacity search's knobs (evaluations/capacity_compare.py): requests per probe, ...
     capacity: dict[str, Any] = field(default_factory=dict)
+    # one real prompt token for this many emulated ones (PDDConfig.context_scale): the report's
+    # 64K prompts on the small model's 4K positions
+    context_scale: int = 1
+    # a scenario too long to search here is measured at one rate instead: {rate_rps, requests}
+    measure: dict[str, Any] = field(default_factory=dict)
+    # every graph's decoders size their batch cap for this context (emulated tokens; the emulate
+    # block's batch_context_tokens): the workload's longest request, as a vLLM user sets
+    # --max-model-len. None: the engine's context limit x context_scale
+    batch_context_tokens: int | None = None
 
     def emulate_block(self, graph: str) -> dict[str, Any]:
         """The `emulate:` mapping a graph is deployed with (beside it, the graph-wide `time_scale`)."""
         if graph not in self.chips:
             raise ScenarioError(f"{self.path}: chips.{graph}: the scenario gives no chips for graph {graph!r} "
                                 f"(it has {', '.join(sorted(self.chips))})")
-        return {"model": self.model.name, **{s: dict(v) for s, v in self.chips[graph].items()}}
+        top = {"batch_context_tokens": self.batch_context_tokens} if self.batch_context_tokens else {}
+        return {"model": self.model.name, **top, **{s: dict(v) for s, v in self.chips[graph].items()}}
 
     def params(self) -> dict[str, Any]:
         return {"emulated": True, "scenario": self.name, "time_scale": self.time_scale,
+                "context_scale": self.context_scale, "batch_context_tokens": self.batch_context_tokens,
                 "emulate.model": self.model.name, "emulate.chips": json.dumps(self.chips, sort_keys=True),
                 "priced": "every replica whole, and the line"}
 
@@ -100,10 +112,21 @@ def load_scenario(name_or_path: str | Path) -> EmulatedScenario:
         sla = SLA(**doc["sla"])
     except (ValueError, TypeError) as e:
         raise ScenarioError(f"{p}: sla: {e}") from None
+    k = doc.get("context_scale", 1)
+    if not (isinstance(k, int) and not isinstance(k, bool) and k >= 1):
+        raise ScenarioError(f"{p}: context_scale: must be an int >= 1, got {k!r}")
+    wl = dict(doc.get("workload") or {})
+    if k > 1 and wl.get("turns") != 1:  # an answer fed back would be counted as k tokens a token
+        raise ScenarioError(f"{p}: workload.turns: a scenario at context_scale {k} sends single-turn requests "
+                            "(turns: 1): a later turn's prompt would carry generated tokens, which count 1:1")
+    measure = doc.get("measure") or {}
+    if not isinstance(measure, dict) or set(measure) - {"rate_rps", "requests"}:
+        raise ScenarioError(f"{p}: measure: a mapping of rate_rps and requests (one measured rate)")
     return EmulatedScenario(name=str(doc.get("name", p.stem)), path=str(p), model=model, sla=sla,
                             description=str(doc.get("description", "")).strip(), time_scale=float(ts),
-                            chips=doc["chips"], link=dict(doc["link"]), workload=dict(doc.get("workload") or {}),
-                            capacity=dict(doc.get("capacity") or {}))
+                            chips=doc["chips"], link=dict(doc["link"]), workload=wl,
+                            capacity=dict(doc.get("capacity") or {}), context_scale=k, measure=dict(measure),
+                            batch_context_tokens=doc.get("batch_context_tokens"))
 
 
 def role_chips(cfg: PDDConfig) -> dict[str, str]:
@@ -211,7 +234,7 @@ def decode_caps(cfg: PDDConfig) -> dict[str, int]:
         if role == "prefill" or e is None:
             continue
         ctx = m.max_model_len or ModelArgs.from_checkpoint(resolve_model(m.path)).max_position_embeddings
-        out[role] = decode_batch_cap(e, m.max_batch, cfg.policy.tpot_slo_s, ctx, e.kv_capacity_tokens)
+        out[role] = decode_batch_cap(e, m.max_batch, cfg.policy.tpot_slo_s, ctx, e.real_pool_tokens)
     return out
 
 
@@ -237,9 +260,9 @@ def sim_scenario_doc(sc: EmulatedScenario, graphs: list[Any]) -> dict[str, Any]:
         """A role's prefix cache as its engine sizes it (serve/common.load_engine): half the pool
         the emulated chips hold, or the graph's prefix_cache_bytes (real bytes) when smaller."""
         m, e = first.engine_for(role), build_emulation(first, role)
-        tokens = e.kv_capacity_tokens // 2
-        if m.prefix_cache_bytes is not None:
-            tokens = min(tokens, m.prefix_cache_bytes // real_bpt)
+        tokens = e.kv_capacity_tokens // 2  # emulated tokens
+        if m.prefix_cache_bytes is not None:  # real bytes: each real token stands for context_scale
+            tokens = min(tokens, m.prefix_cache_bytes // real_bpt * first.context_scale)
         return tokens * shape.kv_bytes_per_token / 1e9
     deployments: dict[str, Any] = {}
     for g in graphs:
@@ -262,18 +285,18 @@ def sim_scenario_doc(sc: EmulatedScenario, graphs: list[Any]) -> dict[str, Any]:
     # a push runs on flight.streams parallel streams, each sending one batch at a time; a batch
     # never spans two prefill chunks' blocks (serve/prefill.py feeds the sender chunk by chunk)
     fl = next((g.cfg.flight for g in graphs if g.cross_site), first.flight)
-    bs = first.model.block_size
+    bs, k = first.model.block_size, first.context_scale  # the simulator counts emulated tokens: k per real one
     unit_blocks = min(fl.batch_blocks, max(1, PREFILL_CHUNK_TOKENS // bs))
     link.update(scale_to_model=False, paced_line=True, streams=fl.streams,
-                stream_unit_bytes=unit_blocks * bs * shape.kv_bytes_per_token,
+                stream_unit_bytes=unit_blocks * bs * k * shape.kv_bytes_per_token,
                 price_per_hour=costmodel.load_catalog().link_price(True))  # priced as cost_per_hour prices it
     return {
         "name": f"{sc.name} (simulated)",
         "model": model,
-        "workload": {"kind": "synthetic", "block_size": first.model.block_size},
+        "workload": {"kind": "synthetic", "block_size": bs * k},
         "sla": {"ttft_s": sc.sla.ttft_s, "tpot_s": sc.sla.tpot_s, "attainment": sc.sla.attainment,
                 "ttft_from": sc.sla.ttft_from},
-        "scheduler": {"prefill_chunk_tokens": PREFILL_CHUNK_TOKENS, "prefill_batch_requests": False,
+        "scheduler": {"prefill_chunk_tokens": PREFILL_CHUNK_TOKENS * k, "prefill_batch_requests": False,
                       "tail_chunk": "packed",
                       "mem_reserve_fraction": MEM_RESERVE_FRACTION,
                       "prefix_cache_gb": prefix_gb("main_decode"), "prefix_cache_gb_prefill": prefix_gb("prefill"),
@@ -292,6 +315,7 @@ def sim_scenario_for(sc: EmulatedScenario, graphs: list[Any] | None = None, out_
     from evaluations.sim.config import load_scenario as load_sim_scenario
 
     out_dir = Path(out_dir or tempfile.mkdtemp(prefix="pdd-emulated-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
     if graphs is None:
         graphs = prepare_graphs(DEFAULT_GRAPHS, out_dir / "graphs", 8000, sc.link, emulate=sc)
     path = out_dir / "sim_scenario.yaml"

@@ -53,54 +53,79 @@ class Emulation:
     chip: ChipSpec
     model: ModelShape
     tp: int = 1
+    # one real prompt token stands for this many emulated tokens (config.PDDConfig.context_scale);
+    # a generated token for one
+    context_scale: int = 1
+    batch_context_tokens: int | None = None  # config.EmulateEntry's: what the batch cap is sized for
 
     def prefill_s(self, new_tokens: int, cached_tokens: int) -> float:
-        """Emulated seconds of one forward over `new_tokens` after `cached_tokens` of context."""
+        """Emulated seconds of one forward over `new_tokens` after `cached_tokens` of context
+        (emulated tokens)."""
         return prefill_time(self.chip, self.model, self.tp, [(new_tokens, cached_tokens)])
 
     def decode_s(self, batch: int, ctx_total: int) -> float:
-        """Emulated seconds of one decode step of `batch` sequences holding `ctx_total` tokens of KV."""
+        """Emulated seconds of one decode step of `batch` sequences holding `ctx_total` emulated
+        tokens of KV."""
         return decode_step_time(self.chip, self.model, self.tp, batch, ctx_total)
 
+    def scaled(self, tokens: int, prompt: int) -> int:
+        """Emulated tokens of `tokens` real ones, `prompt` of them the prompt's."""
+        return tokens + (self.context_scale - 1) * prompt
+
     def forward_s(self, work: ForwardWork) -> float:
-        """Emulated seconds of one forward an engine reported."""
+        """Emulated seconds of one forward an engine reported (its prompt tokens scaled)."""
+        ctx = self.scaled(work.context_tokens, work.prompt_context)
         if work.kind == "decode":
-            return self.decode_s(work.seqs, work.context_tokens)
-        return self.prefill_s(work.new_tokens, work.context_tokens)
+            return self.decode_s(work.seqs, ctx)
+        return self.prefill_s(self.scaled(work.new_tokens, work.prompt_new), ctx)
 
     def copy_s(self, tokens: int) -> float:
-        """Emulated seconds to move `tokens` tokens of KV between the pool and the NIC (an
+        """Emulated seconds to move `tokens` real tokens of KV between the pool and the NIC (an
         import or an export), at the catalog's NIC rate (`interconnect_gb_s`), as the simulator
-        charges a copy inside a site."""
-        return kv_copy_time(tokens * self.model.kv_bytes_per_token, self.chip, self.chip)
+        charges a copy inside a site. Every KV copy is of a prompt's blocks (a handoff sends
+        generated tokens as ids, and the decoder computes their KV), so each counts context_scale."""
+        return kv_copy_time(tokens * self.context_scale * self.model.kv_bytes_per_token, self.chip, self.chip)
 
     @property
     def kv_capacity_tokens(self) -> int:
+        """Emulated tokens of KV the chips hold."""
         return kv_capacity_tokens(self.chip, self.model, self.tp, MEM_RESERVE_FRACTION)
 
     @property
+    def real_pool_tokens(self) -> int:
+        """Real tokens of the small model's pool that stand for it (each a prompt token's KV)."""
+        return self.kv_capacity_tokens // self.context_scale
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        return self.model.kv_bytes_per_token
+        """Emulated KV bytes per real prompt token (context_scale emulated tokens)."""
+        return self.model.kv_bytes_per_token * self.context_scale
 
     def label(self) -> str:
-        return f"{self.model.name} on {self.tp} x {self.chip.name}"
+        k = f", context_scale {self.context_scale}" if self.context_scale != 1 else ""
+        return f"{self.model.name} on {self.tp} x {self.chip.name}{k}"
 
     def params(self, clock: Clock) -> dict[str, object]:
         return {"model": self.model.name, "chip": self.chip.name, "tp": self.tp, "time_scale": clock.time_scale,
-                "kv_bytes_per_token": self.kv_bytes_per_token, "kv_capacity_tokens": self.kv_capacity_tokens}
+                "context_scale": self.context_scale, "kv_bytes_per_token": self.model.kv_bytes_per_token,
+                "kv_capacity_tokens": self.kv_capacity_tokens}
 
 
 def decode_batch_cap(e: Emulation | None, set_cap: int | None, tpot_s: float | None, ctx_per_seq: int,
                      pool_tokens: int) -> int:
     """A decoder's batch cap: the graph's `max_batch` where it sets one; on emulated chips with a
     TPOT SLO, the largest batch they step within it with every sequence at `ctx_per_seq` tokens (the
-    engine's context limit: any batch under the cap meets it) and whose KV fits the pool, at least
-    one; otherwise DEFAULT_MAX_BATCH (no larger than the pool holds). The serving graph and the
-    simulator both take it from here."""
+    engine's context limit: any batch under the cap meets it; the emulation's batch_context_tokens
+    where it sets one) and whose KV fits the pool of `pool_tokens`, at least one; otherwise
+    DEFAULT_MAX_BATCH (no larger than the pool holds). Both are real tokens, scaled here as prompt
+    tokens (the limit's worst case). The serving graph and the simulator both take it from here."""
     if set_cap is not None:
         return set_cap
     if e is None:
         return DEFAULT_MAX_BATCH
+    ctx_per_seq, pool_tokens = ctx_per_seq * e.context_scale, pool_tokens * e.context_scale
+    if e.batch_context_tokens is not None:
+        ctx_per_seq = e.batch_context_tokens
     if tpot_s is None:  # no SLO to size it by: the default, as an unemulated engine has
         return max(1, min(DEFAULT_MAX_BATCH, decode_batch_limit(e.chip, e.model, e.tp, math.inf, ctx_per_seq,
                                                                 pool_tokens)))
@@ -114,13 +139,14 @@ def build_emulation(cfg: PDDConfig, role: str) -> Emulation | None:
         return None
     cat = load_catalog()
     model = model_from(e.model, "emulate.model") if isinstance(e.model, dict) else cat.model(e.model)
-    return Emulation(cat.chip(e.chip), model, e.tp)
+    return Emulation(cat.chip(e.chip), model, e.tp, cfg.context_scale, e.batch_context_tokens)
 
 
 def kv_scale(cfg: PDDConfig, real_bytes_per_token: int) -> float:
     """Emulated KV bytes per real KV byte (1 unemulated): what the link, the line's backlog, the
-    bandwidth view and `wan_bytes` count, while the real small blocks cross. One emulated model
-    serves the whole graph (checked at load), so any role's gives it."""
+    bandwidth view and `wan_bytes` count, while the real small blocks cross. Every block that
+    crosses is a prompt's, so it counts context_scale emulated tokens. One emulated model serves
+    the whole graph (checked at load), so any role's gives it."""
     e = build_emulation(cfg, "prefill")
     return e.kv_bytes_per_token / real_bytes_per_token if e is not None else 1.0
 

@@ -33,7 +33,7 @@ from pdd_serve.engine.kv import (
     num_full_blocks,
 )
 from pdd_serve.engine.model import AttnContext, LlamaModel, ModelArgs, load_model
-from pdd_serve.engine.protocol import EngineBase, ForwardWork
+from pdd_serve.engine.protocol import EngineBase, ForwardWork, prompt_split
 from pdd_serve.engine.radix_cache import PrefixMatch, RadixCache
 from pdd_serve.engine.sampling import RequestError, SamplingParams, check_prompt_ids, sample
 
@@ -374,7 +374,8 @@ class Engine(EngineBase):
             self._tag(s, p, p + 1)
         toks = self._append_sampled(seqs, logits)
         if self.on_forward is not None:  # after sampling: the step's tokens exist before its time is up
-            self.on_forward(ForwardWork("decode", len(seqs), len(seqs), sum(pos), time.perf_counter() - t0))
+            self.on_forward(ForwardWork("decode", len(seqs), len(seqs), sum(pos), time.perf_counter() - t0,
+                                        prompt_context=sum(min(p, s.prompt_len) for s, p in zip(seqs, pos))))
         return toks
 
     def _forward(self, seq: Sequence, end: int, sample: bool = True) -> int | None:
@@ -407,7 +408,8 @@ class Engine(EngineBase):
         self._tag(seq, start, end)
         tok = self._append_sampled([seq], logits)[0] if sample else None
         if self.on_forward is not None:
-            self.on_forward(ForwardWork("prefill", 1, end - start, start, time.perf_counter() - t0))
+            pn, pc = prompt_split(seq.prompt_len, start, end)
+            self.on_forward(ForwardWork("prefill", 1, end - start, start, time.perf_counter() - t0, pn, pc))
         return tok
 
     def _append_sampled(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:

@@ -61,12 +61,25 @@ class ForwardWork:
     new_tokens: int  # tokens whose KV this forward computed
     context_tokens: int  # KV it attended over before them (decode: summed over the batch)
     real_s: float  # wall seconds the forward took on this machine
+    # of new_tokens and context_tokens, those that are prompt tokens (the rest were generated): an
+    # emulation at context_scale k counts a prompt token as k tokens (config.PDDConfig.context_scale)
+    prompt_new: int = 0
+    prompt_context: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in FORWARD_KINDS:
             raise ValueError(f"kind must be one of {FORWARD_KINDS}, got {self.kind!r}")
         if self.seqs < 1 or self.new_tokens < 1 or self.context_tokens < 0 or self.real_s < 0:
             raise ValueError(f"a forward computes >= 1 token of >= 1 sequence: {self}")
+        if not (0 <= self.prompt_new <= self.new_tokens and 0 <= self.prompt_context <= self.context_tokens):
+            raise ValueError(f"a forward's prompt tokens are some of its new and context tokens: {self}")
+
+
+def prompt_split(prompt_len: int, start: int, end: int) -> tuple[int, int]:
+    """(prompt tokens among positions [start, end), prompt tokens among [0, start)) of a sequence
+    whose first `prompt_len` tokens are its prompt: what `ForwardWork.prompt_new` and
+    `prompt_context` count for one sequence's forward."""
+    return max(0, min(end, prompt_len) - start), min(start, prompt_len)
 
 
 class PoolView(Protocol):
@@ -194,4 +207,4 @@ def engine_members() -> frozenset[str]:
     return frozenset(str(n) for n in names)
 
 
-__all__ = ["CacheView", "EngineBackend", "EngineBase", "FORWARD_KINDS", "ForwardWork", "PoolView", "engine_members"]
+__all__ = ["CacheView", "EngineBackend", "EngineBase", "FORWARD_KINDS", "ForwardWork", "PoolView", "engine_members", "prompt_split"]

@@ -52,11 +52,11 @@ def load_engine(model: ModelConfig, enable_prefix_cache: bool = True, threads: i
         a = ModelArgs.from_checkpoint(path)
         real = KVLayout(a.num_layers, a.num_kv_heads, a.head_dim, model.block_size,
                         dtype_name(getattr(torch, model.kv_dtype))).bytes_per_token
-        emulated = emulation.kv_capacity_tokens * real
+        emulated = emulation.real_pool_tokens * real  # at context_scale k, a real token's KV stands for k
         limit = kv_bytes if model.backend == "vllm" else host_memory_bytes() // 2
         if emulated > limit:
             logger.warning("emulated KV capacity %d tokens (%s) exceeds what this host can back (%d bytes): "
-                           "admission sees %d tokens", emulation.kv_capacity_tokens, emulation.label(), limit,
+                           "admission sees %d real tokens", emulation.kv_capacity_tokens, emulation.label(), limit,
                            limit // real)
         kv_bytes = min(emulated, limit)
         prefix_bytes = None if prefix_bytes is None else min(prefix_bytes, kv_bytes)

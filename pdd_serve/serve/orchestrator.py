@@ -137,7 +137,7 @@ class Orchestrator:
         planned = min(hit, (len(prompt) - 1) // bs) if pol.drc else 0
         planned -= planned % unit  # MD adopts whole units of its cache (vLLM: 32-token blocks)
         missing = (nblocks - planned) * self.block_bytes
-        dec = choose_pipeline(len(prompt), gen.params.max_tokens, missing, link, self.relay_load(), pol,
+        dec = choose_pipeline(len(prompt) * self.cfg.context_scale, gen.params.max_tokens, missing, link, self.relay_load(), pol,
                               forced.get("pipeline"))
         info.pipeline, info.reason = dec.pipeline, dec.reason
         info.decision_s = self._since(st.t0)
@@ -174,7 +174,7 @@ class Orchestrator:
                 real = nblocks - prep.result().start_block
                 if late and real > nblocks - planned:
                     self.wan.pop(gen.request_id, None)  # the line without this request's own planned bytes
-                    redo = choose_pipeline(len(prompt), gen.params.max_tokens, real * self.block_bytes,
+                    redo = choose_pipeline(len(prompt) * self.cfg.context_scale, gen.params.max_tokens, real * self.block_bytes,
                                            self.line(), self.relay_load(), pol)
                     self.wan[gen.request_id] = (real * self.block_bytes, self._now())
                     if redo.pipeline == "P-RLD-MD":

@@ -154,3 +154,32 @@ def test_scenario_capacity_block_is_checked(scenario) -> None:
         CapacityConfig.of({"probes_per": 3})
     with pytest.raises(ValueError, match="max_gap"):
         CapacityConfig.of({"max_gap": 2})
+
+
+def test_a_one_rate_run_reports_what_it_measured_not_a_capacity(scenario, graphs) -> None:
+    """`measure:` (report_64k): one probe per graph gives attainment and latencies at that rate; the
+    capacity and the measured BCR gains, which a single probe can't bracket, are left empty, and
+    the blind prediction's stay."""
+    from evaluations.capacity_compare import one_rate, one_rate_table
+
+    cap = CapacityConfig(search=CapacitySearch(min_requests=10), requests=10)
+    out = {}
+    for g in graphs:
+        gp = GraphProbes(g)
+        ok = 12 if g.name != "pd_cross_dc" else 8
+        gp.records[0.07] = _records(12, ok, 0.07)
+        gp.probes.append(Probe(0.07, 12, ok / 12, 12 - ok))
+        out[g.name] = gp
+    blind = {"pd_same_dc": {"capacity_rps": 0.16}, "pd_cross_dc": {"capacity_rps": 0.09}, "pdd": {"capacity_rps": 0.25}}
+    h = capacity_headline(scenario, out, blind, cap)
+    assert h["graphs"]["pdd"]["capacity_rps"] == 0.07  # what one met probe would claim: a capacity it isn't
+    one_rate(h, out, scenario)
+    for v in h["graphs"].values():
+        assert v["capacity_rps"] is None and v["bcr"] is None and v["blind_rel_err"] is None
+        assert v["at_rate"]["rate_rps"] == 0.07 and v["at_rate"]["n"] == 12
+        assert v["at_rate"]["ttft_p90_s"] is not None
+    assert h["graphs"]["pd_cross_dc"]["at_rate"]["attainment"] == pytest.approx(8 / 12, abs=1e-4)
+    assert h["graphs"]["pd_cross_dc"]["at_rate"]["met_sla"] is False and h["graphs"]["pdd"]["at_rate"]["met_sla"] is True
+    assert h["bcr_gain_vs_same_dc"] is None and h["blind_bcr_gain_vs_same_dc"] is not None
+    assert h["min_requests_per_probe"] == 12
+    assert "pd_cross_dc" in one_rate_table(h) and "0.67" in one_rate_table(h)

@@ -45,7 +45,7 @@ from pdd_serve.engine.kv import (
     tokens_to_blocks,
 )
 from pdd_serve.engine.model import ModelArgs
-from pdd_serve.engine.protocol import EngineBase, ForwardWork
+from pdd_serve.engine.protocol import EngineBase, ForwardWork, prompt_split
 from pdd_serve.engine.sampling import RequestError, SamplingParams, check_prompt_ids
 
 # what we set and the graph may not: the connector is ours, the tokenizer is the router's
@@ -89,6 +89,7 @@ class _Live:
     tokens: deque[int] = field(default_factory=deque)
     done: bool = False  # vLLM finished it (max_tokens reached on its side)
     cached: int = 0  # prompt tokens vLLM's prefix cache supplied (its first output says)
+    prompt_len: int = 0  # the sequence's prompt (the rest of what vLLM was given was generated)
 
 
 class _Pool:
@@ -373,7 +374,7 @@ class VllmEngine(EngineBase):
             self.store.offers[rid] = (base, kv[: seq.num_computed - base])
         if save:
             self.store.save.add(rid)
-        live = self._live[id(seq)] = _Live(ext, rid)
+        live = self._live[id(seq)] = _Live(ext, rid, prompt_len=seq.prompt_len)
         self._by_ext[ext] = seq
         return live
 
@@ -433,9 +434,13 @@ class VllmEngine(EngineBase):
         work = self.store.last_step.reqs
         self.store.last_step = type(self.store.last_step)()
         if self.on_forward is not None and work:
-            decode = all(n == 1 for _, _, n in work)
+            prompt = {lv.req_id: lv.prompt_len for lv in self._live.values()}
+            splits = [prompt_split(prompt.get(rid, 0), c, c + n) for rid, c, n in work]
+            # a lone prompt-tail token (after a full prefix hit or a KV load) is a prefill's, not a decode's
+            decode = all(n == 1 for _, _, n in work) and not any(a for a, _ in splits)
             self.on_forward(ForwardWork("decode" if decode else "prefill", len(work),
-                                        sum(n for _, _, n in work), sum(c for _, c, _ in work), real))
+                                        sum(n for _, _, n in work), sum(c for _, c, _ in work), real,
+                                        sum(a for a, _ in splits), sum(b for _, b in splits)))
 
     def _run_until(self, done: Callable[[], bool], each: Callable[[], None] | None = None) -> None:
         while not done():
