@@ -73,10 +73,14 @@ class Emulation:
         return tokens + (self.context_scale - 1) * prompt
 
     def forward_s(self, work: ForwardWork) -> float:
-        """Emulated seconds of one forward an engine reported (its prompt tokens scaled)."""
+        """Emulated seconds of one forward an engine reported (its prompt tokens scaled); a batch
+        that mixes prefill chunks and decodes is costed by its sequences (`ForwardWork.parts`)."""
         ctx = self.scaled(work.context_tokens, work.prompt_context)
         if work.kind == "decode":
             return self.decode_s(work.seqs, ctx)
+        if work.parts:
+            return prefill_time(self.chip, self.model, self.tp,
+                                [(self.scaled(n, pn), self.scaled(c, pc)) for n, c, pn, pc in work.parts])
         return self.prefill_s(self.scaled(work.new_tokens, work.prompt_new), ctx)
 
     def copy_s(self, tokens: int) -> float:

@@ -65,6 +65,10 @@ class ForwardWork:
     # emulation at context_scale k counts a prompt token as k tokens (config.PDDConfig.context_scale)
     prompt_new: int = 0
     prompt_context: int = 0
+    # a batched forward's sequences, each (new, context, prompt_new, prompt_context), summing to the
+    # totals above: a step that mixes prefill chunks and decodes (vLLM's) attends per sequence, not
+    # over the summed context. Empty: one sequence's, or a decode batch's (whose cost is the sums')
+    parts: tuple[tuple[int, int, int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in FORWARD_KINDS:
@@ -73,6 +77,9 @@ class ForwardWork:
             raise ValueError(f"a forward computes >= 1 token of >= 1 sequence: {self}")
         if not (0 <= self.prompt_new <= self.new_tokens and 0 <= self.prompt_context <= self.context_tokens):
             raise ValueError(f"a forward's prompt tokens are some of its new and context tokens: {self}")
+        if self.parts and (len(self.parts) != self.seqs or tuple(map(sum, zip(*self.parts))) != (
+                self.new_tokens, self.context_tokens, self.prompt_new, self.prompt_context)):
+            raise ValueError(f"a forward's parts are its sequences and sum to its totals: {self}")
 
 
 def prompt_split(prompt_len: int, start: int, end: int) -> tuple[int, int]:

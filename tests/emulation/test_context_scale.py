@@ -228,3 +228,21 @@ def test_the_calibration_and_the_floor_model_a_scaled_prompt() -> None:
     e, one = Emulation(H100, L70, 4, K), Emulation(H100, L70, 4)
     want = one.prefill_s(256 * K, 500 * K) + one.prefill_s(244 * K, 756 * K)
     assert modeled_prefill_s(1000, 0.5, e, 256) == pytest.approx(want)
+
+
+def test_a_mixed_step_is_costed_by_its_sequences() -> None:
+    """vLLM steps prefill chunks and decodes together: the step attends per sequence (a chunk over
+    its own context, each decode over its own), not the summed chunk over the summed context."""
+    e, one = Emulation(H100, L70, 4, K), Emulation(H100, L70, 4)
+    parts = ((256, 1024, 256, 1024), (1, 2000, 0, 1900), (1, 3000, 0, 2900))
+    w = ForwardWork("prefill", 3, 258, 6024, 0.0, 256, 5824, parts)
+    want = costmodel.prefill_time(H100, L70, 4, [(256 * K, 1024 * K), (1, 1900 * K + 100), (1, 2900 * K + 100)])
+    assert e.forward_s(w) == pytest.approx(want)
+    lumped = ForwardWork("prefill", 3, 258, 6024, 0.0, 256, 5824)
+    assert e.forward_s(w) < e.forward_s(lumped)  # the summed piece attends every new token to every context
+    assert one.forward_s(ForwardWork("prefill", 1, 256, 1024, 0.0, parts=((256, 1024, 0, 0),))) == pytest.approx(
+        one.prefill_s(256, 1024))
+    with pytest.raises(ValueError, match="parts"):
+        ForwardWork("prefill", 2, 258, 6024, 0.0, 256, 5824, parts)  # three parts for two sequences
+    with pytest.raises(ValueError, match="parts"):
+        ForwardWork("prefill", 3, 258, 6024, 0.0, 256, 5824, ((256, 1024, 256, 1024),) * 3)

@@ -191,6 +191,11 @@ def test_release_mid_decode_frees_everything_and_reports_forwards(veng):
     assert _idle(veng) and veng.pool.num_free == free0
     assert {w.kind for w in seen} == {"prefill", "decode"}
     assert any(w.kind == "decode" and w.seqs == 4 for w in seen)
+    # which tokens were the prompt's (context_scale costs those k-fold): a prompt's prefill all of
+    # its new tokens, a decode step none of them and the prompts of its context; per sequence
+    assert all(w.prompt_new == w.new_tokens for w in seen if w.kind == "prefill")
+    assert all(w.prompt_new == 0 and 0 < w.prompt_context <= w.context_tokens for w in seen if w.kind == "decode")
+    assert all(len(w.parts) == w.seqs for w in seen)
 
 
 def test_import_refuses_kv_of_other_tokens(veng):

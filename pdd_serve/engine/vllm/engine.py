@@ -438,9 +438,10 @@ class VllmEngine(EngineBase):
             splits = [prompt_split(prompt.get(rid, 0), c, c + n) for rid, c, n in work]
             # a lone prompt-tail token (after a full prefix hit or a KV load) is a prefill's, not a decode's
             decode = all(n == 1 for _, _, n in work) and not any(a for a, _ in splits)
+            parts = tuple((n, c, a, b) for (_, c, n), (a, b) in zip(work, splits))
             self.on_forward(ForwardWork("decode" if decode else "prefill", len(work),
                                         sum(n for _, _, n in work), sum(c for _, c, _ in work), real,
-                                        sum(a for a, _ in splits), sum(b for _, b in splits)))
+                                        sum(a for a, _ in splits), sum(b for _, b in splits), parts))
 
     def _run_until(self, done: Callable[[], bool], each: Callable[[], None] | None = None) -> None:
         while not done():
