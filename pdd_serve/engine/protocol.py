@@ -56,7 +56,7 @@ FORWARD_KINDS = ("prefill", "decode")  # prefill: any multi-token forward (chunk
 class ForwardWork:
     """One forward an engine ran, as it reports it through `on_forward`."""
 
-    kind: str  # "prefill" (one sequence, several new tokens) | "decode" (a batch, one token each)
+    kind: str  # "prefill" (several new tokens: one sequence, or a mixed vLLM step) | "decode" (a batch, one token each)
     seqs: int
     new_tokens: int  # tokens whose KV this forward computed
     context_tokens: int  # KV it attended over before them (decode: summed over the batch)
