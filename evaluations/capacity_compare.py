@@ -165,7 +165,7 @@ def blind_report(sc: Any, overhead_s: float, out_dir: Path, cap: CapacityConfig 
     cap = cap or CapacityConfig.of(sc.capacity)
     graphs = [for_repeat(g, 0) for g in prepare_graphs(graph_paths, out_dir / "graphs", 8000, sc.link, False, emulate=sc)]
     pred = blind(sc, graphs, cap, overhead_s, out_dir, log)
-    prices = {"market": {}, **{f"b_{r:g}x_a": sc.relative_prices(r) for r in RELATIVE_PRICES}}
+    prices = price_sets(sc)
     rows: dict[str, Any] = {}
     for g in graphs:
         p = pred[g.name]
@@ -175,12 +175,25 @@ def blind_report(sc: Any, overhead_s: float, out_dir: Path, cap: CapacityConfig 
                         "cost_per_hour": cost, "bcr": {k: bcr(p["capacity_rps"], c) for k, c in cost.items()}}
     head: dict[str, Any] = {"blind": True, "emulated_scenario": sc.name, "software_overhead_s_emulated": overhead_s,
                             "priced": "every replica whole, and the inter-DC line", "graphs": rows}
+    head.update(bcr_gains(rows, prices, "blind_"))
+    return rounded(head)
+
+
+def price_sets(sc: Any) -> dict[str, dict[str, float]]:
+    """Every price BCR is quoted at: the catalog's market prices, and the report's relative ones."""
+    return {"market": {}, **{f"b_{r:g}x_a": sc.relative_prices(r) for r in RELATIVE_PRICES}}
+
+
+def bcr_gains(rows: Mapping[str, Mapping[str, Any]], prices: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """PDD's BCR gain over same-DC and the strong cross-DC PD at each price set, from rows that
+    hold each graph's `bcr` per price set."""
+    out: dict[str, Any] = {}
     for k in prices:
         sfx = "" if k == "market" else f"_{k}"
         b = {n: rows[n]["bcr"][k] for n in rows}
-        head[f"blind_bcr_gain_vs_same_dc{sfx}"] = gain(b.get(PDD), b.get(SAME))
-        head[f"blind_bcr_gain_vs_cross_dc{sfx}"] = gain(b.get(PDD), b.get(CROSS))
-    return rounded(head)
+        out[f"{prefix}bcr_gain_vs_same_dc{sfx}"] = gain(b.get(PDD), b.get(SAME))
+        out[f"{prefix}bcr_gain_vs_cross_dc{sfx}"] = gain(b.get(PDD), b.get(CROSS))
+    return out
 
 
 def first_guess(sc: Any) -> float:
@@ -368,7 +381,7 @@ def capacity_headline(sc: Any, out: Mapping[str, GraphProbes], predicted: Mappin
     from evaluations.sim.emulated import cost_per_hour, decode_caps, role_chips
     from pdd_serve.emulation.pacer import PACED_KINDS, build_emulation, merge_stats
 
-    prices = {"market": {}, **{f"b_{r:g}x_a": sc.relative_prices(r) for r in RELATIVE_PRICES}}
+    prices = price_sets(sc)
     h: dict[str, Any] = {"emulated": True, "scenario": sc.name, "time_scale": sc.time_scale,
                          "context_scale": getattr(sc, "context_scale", 1),
                          "priced": "every replica whole, and the inter-DC line",

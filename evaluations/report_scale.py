@@ -28,15 +28,16 @@ from evaluations.capacity_compare import (
     COMMON_RATE_FRACTION,
     CROSS,
     PDD,
-    RELATIVE_PRICES,
     REPORT_MARGINS,
     SAME,
     CapacityConfig,
     agentic_spec,
+    bcr_gains,
     blind,
     gain,
     gap_s,
     placeholder_answers,
+    price_sets,
     probe_requests,
     rounded,
 )
@@ -131,7 +132,7 @@ def report_scale(sc: Any, overhead_s: float, out_dir: Path, keep: int = 6,
     cap = dataclasses.replace(base, requests=max(base.requests, REPORT_PROBE_REQUESTS), draws=0)
     graphs = {g.name: for_repeat(g, 0) for g in prepare_graphs(CAPACITY_GRAPHS, out_dir / "graphs", 8000, sc.link,
                                                                False, emulate=sc)}
-    prices = {"market": {}, **{f"b_{r:g}x_a": sc.relative_prices(r) for r in RELATIVE_PRICES}}
+    prices = price_sets(sc)
     rows: dict[str, Any] = {}
     best_graph: dict[str, tuple[PreparedGraph, Any]] = {}
     for name in (SAME, CROSS, PDD):
@@ -180,11 +181,7 @@ def report_scale(sc: Any, overhead_s: float, out_dir: Path, keep: int = 6,
                            "context_scale": sc.context_scale, "software_overhead_s_emulated": overhead_s,
                            "priced": "every replica whole, and the inter-DC line", "graphs": rows,
                            "common_rate_rps": rate, "report": REPORT_FIGURES}
-    for k in prices:
-        sfx = "" if k == "market" else f"_{k}"
-        b = {n: rows[n]["bcr"][k] for n in rows}
-        out[f"bcr_gain_vs_same_dc{sfx}"] = gain(b.get(PDD), b.get(SAME))
-        out[f"bcr_gain_vs_cross_dc{sfx}"] = gain(b.get(PDD), b.get(CROSS))
+    out.update(bcr_gains(rows, prices))
     pc, cc = rows[PDD].get("at_common_rate"), rows[CROSS].get("at_common_rate")
     if pc and cc and all(math.isfinite(x) and x > 0 for x in (pc["ttft_p90_s"], cc["ttft_p90_s"])):
         out["p90_ttft_vs_cross_dc_at_rate"] = pc["ttft_p90_s"] / cc["ttft_p90_s"]
